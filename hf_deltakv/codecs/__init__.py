@@ -1,0 +1,9 @@
+"""Stream codecs: how one tensor stream (keys or values) of a layer is packed."""
+
+from .base import StreamCodec
+from .channel import ChannelGroupCodec
+from .delta import DeltaCodec
+from .plain import PlainCodec
+from .rotation import RotatedCodec, rotate
+
+__all__ = ["ChannelGroupCodec", "DeltaCodec", "PlainCodec", "RotatedCodec", "StreamCodec", "rotate"]

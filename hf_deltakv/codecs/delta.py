@@ -1,0 +1,200 @@
+"""Keyframes plus closed-loop quantized deltas, like a video codec's I- and P-frames.
+
+Every `kf`-th token of a stream is a keyframe, quantized on its own. Every other token is stored as the quantized
+difference from the *reconstruction* of its reference (the previous token, or its group's keyframe), so the
+error of each token is that of one quantization step, at any distance from its keyframe. Decoding is the
+keyframe plus a prefix sum of the dequantized deltas.
+
+With `intra=True`, each block of 32 channels of a delta token may instead be coded on its own (plain), whichever
+reconstructs it better: the inter/intra decision of video codecs. The one flag bit per block lives in the least
+significant mantissa bit of the block's fp16 scale (a relative change of the scale of at most 2**-10), so it
+costs no extra storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import QuantizedTensor, dequantize, get_format, quantize
+from .base import StreamCodec, append_along_seq
+
+REFERENCES = ("previous", "keyframe")
+
+
+def _with_flags(q: QuantizedTensor, flags: torch.Tensor) -> QuantizedTensor:
+    """Store one flag per block in the scale's lowest mantissa bit."""
+    bits = q.scales.view(torch.int16)
+    bits = (bits & ~1) | flags.to(torch.int16)
+    return QuantizedTensor(q.fmt, q.dim, q.codes, bits.view(torch.float16), q.mins)
+
+
+def _flags(q: QuantizedTensor) -> torch.Tensor:
+    return (q.scales.view(torch.int16) & 1).bool()
+
+
+def _select_blocks(flags: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
+    """Blockwise choice: `a` where `flags`, else `b` (same format and shape)."""
+    pick = lambda x, y, f: None if x is None else torch.where(f, x, y)  # noqa: E731
+    return QuantizedTensor(
+        a.fmt,
+        a.dim,
+        pick(a.codes, b.codes, flags.unsqueeze(-1)),
+        pick(a.scales, b.scales, flags),
+        pick(a.mins, b.mins, flags),
+    )
+
+
+def _block_sse(recon: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+    pad = (-x.shape[-1]) % block
+    err = torch.nn.functional.pad(recon - x, (0, pad)) ** 2
+    return err.reshape(*err.shape[:-1], -1, block).sum(-1)
+
+
+def _expand_blocks(flags: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+    return flags.repeat_interleave(block, dim=-1)[..., :dim]
+
+
+class DeltaCodec(StreamCodec):
+    """Closed-loop delta coding of one stream.
+
+    Args:
+        kf: keyframe interval in tokens (1 makes every token a keyframe).
+        delta_format: block format of the deltas.
+        keyframe_format: block format of the keyframes.
+        reference: `"previous"` (delta from the previous token's reconstruction) or `"keyframe"` (from the group's
+            keyframe reconstruction).
+        intra: allow each delta block to be coded plainly instead when that reconstructs it better.
+    """
+
+    def __init__(
+        self,
+        kf: int = 32,
+        delta_format: str = "q4_0",
+        keyframe_format: str = "q8_0",
+        reference: str = "previous",
+        intra: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(kf, int) or isinstance(kf, bool) or kf < 1:
+            raise ValueError(f"kf must be an integer >= 1, got {kf!r}")
+        if reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
+        fmt = get_format(delta_format)
+        get_format(keyframe_format)
+        if intra and fmt.name == "f16":
+            raise ValueError("intra=True needs a block-quantized delta_format (q4_0, q4_1, q8_0), not f16")
+        self.kf = kf
+        self.delta_format = delta_format
+        self.keyframe_format = keyframe_format
+        self.reference = reference
+        self.intra = intra
+        self.keyframes = None  # QuantizedTensor [B, H, groups, ...]
+        self.deltas = None  # QuantizedTensor [B, H, non-keyframe tokens, ...]
+        # fp32 [B, H, 1, D]: what the next token of an unfinished group is coded against, kept so that appending
+        # never decodes history: the last token's reconstruction, or the group's keyframe reconstruction.
+        self.reference_state = None
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("keyframes", "deltas", "reference_state")
+
+    def _code_delta(self, x: torch.Tensor, base: torch.Tensor) -> tuple[QuantizedTensor, torch.Tensor]:
+        """Quantize `x - base`; with intra, per block the better of that and `x` itself."""
+        inter = quantize(x - base, self.delta_format)
+        inter_rec = base + dequantize(inter)
+        if not self.intra:
+            return inter, inter_rec
+        plain = quantize(x, self.delta_format)
+        plain_rec = dequantize(plain)
+        block = get_format(self.delta_format).block_size
+        use_plain = _block_sse(plain_rec, x, block) < _block_sse(inter_rec, x, block)
+        chosen = _with_flags(_select_blocks(use_plain, plain, inter), use_plain)
+        # Reconstruct from what is stored (the flagged scale), exactly as the decoder will.
+        rec = self._reconstruct(dequantize(chosen), _flags(chosen), base)
+        return chosen, rec
+
+    def _reconstruct(self, values: torch.Tensor, flags: torch.Tensor | None, base: torch.Tensor) -> torch.Tensor:
+        if flags is None:
+            return base + values
+        block = get_format(self.delta_format).block_size
+        return torch.where(_expand_blocks(flags, block, values.shape[-1]), values, base + values)
+
+    def append(self, x: torch.Tensor) -> None:
+        batch, heads, new, dim = x.shape
+        kf, start = self.kf, self.length % self.kf
+        groups = (start + new + kf - 1) // kf
+        slots = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=x.device)
+        slots[:, :, start : start + new] = x.float()
+        slots = slots.view(batch, heads, groups, kf, dim)
+        recon = torch.zeros_like(slots)
+        anchor = torch.zeros_like(slots[:, :, :, 0])
+        if start and self.reference == "keyframe":
+            anchor[:, :, 0] = self.reference_state[:, :, 0]
+
+        coded: list[QuantizedTensor] = []
+        first_group = 1 if start else 0
+        if start == 0 or groups > 1:
+            key = quantize(slots[:, :, first_group:, 0], self.keyframe_format)
+            recon[:, :, first_group:, 0] = dequantize(key)
+            anchor[:, :, first_group:] = recon[:, :, first_group:, 0]
+            self.keyframes = append_along_seq(self.keyframes, key)
+        for offset in range(1, kf):
+            base = recon[:, :, :, offset - 1] if self.reference == "previous" else anchor
+            if start and offset == start and self.reference == "previous":
+                # The first group continues a group begun in an earlier call: its reference is the last token.
+                base = torch.cat([self.reference_state, base[:, :, 1:]], dim=2)
+            q, recon[:, :, :, offset] = self._code_delta(slots[:, :, :, offset], base)
+            coded.append(q)
+
+        if coded:
+            # Gather the delta tokens of this chunk in sequence order: slot (group, offset) for offset >= 1.
+            stacked = QuantizedTensor.cat([c.map(lambda t: t.unsqueeze(3)) for c in coded], dim=3)
+            flat = stacked.map(lambda t: t.flatten(2, 3))
+            index = torch.arange(groups * (kf - 1), device=x.device)
+            position = (index // (kf - 1)) * kf + index % (kf - 1) + 1
+            keep = index[(position >= start) & (position < start + new)]
+            self.deltas = append_along_seq(self.deltas, flat.map(lambda t: t.index_select(2, keep)))
+
+        end = start + new - 1
+        if self.reference == "keyframe":
+            self.reference_state = anchor[:, :, end // kf].unsqueeze(2).clone()
+        else:
+            self.reference_state = recon.view(batch, heads, groups * kf, dim)[:, :, end : end + 1].clone()
+        self.length += new
+
+    def decode(self) -> torch.Tensor:
+        n, kf = self.length, self.kf
+        keys = dequantize(self.keyframes)
+        batch, heads, groups, dim = keys.shape
+        values = torch.zeros(batch, heads, groups, kf, dim, dtype=torch.float32, device=keys.device)
+        values[:, :, :, 0] = keys
+        flags = None
+        if self.deltas is not None:
+            deltas = dequantize(self.deltas)
+            index = torch.arange(deltas.shape[2], device=keys.device)
+            position = (index // (kf - 1)) * kf + index % (kf - 1) + 1
+            values.view(batch, heads, groups * kf, dim)[:, :, position] = deltas
+            if self.intra:
+                block = get_format(self.delta_format).block_size
+                per_token = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.bool, device=keys.device)
+                per_token[:, :, position] = _expand_blocks(_flags(self.deltas), block, dim)
+                flags = per_token.view(batch, heads, groups, kf, dim)
+        recon = self._decode_groups(values, flags)
+        return recon.reshape(batch, heads, groups * kf, dim)[:, :, :n]
+
+    def _decode_groups(self, values: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
+        """values `[B, H, G, kf, D]`: keyframe at offset 0, then deltas (or plain values where `flags`)."""
+        if self.reference == "keyframe":
+            base = values[:, :, :, :1]
+            rec = values + base
+            rec[:, :, :, 0] = values[:, :, :, 0]
+            return rec if flags is None else torch.where(flags, values, rec)
+        if flags is None:
+            return values.cumsum(dim=3)
+        # Segmented prefix sum: every plain block (and the keyframe) restarts the running sum of its channels.
+        resets = flags.clone()
+        resets[:, :, :, 0] = True
+        offsets = torch.arange(values.shape[3], device=values.device).view(1, 1, 1, -1, 1)
+        last_reset = torch.where(resets, offsets, torch.zeros_like(offsets)).cummax(dim=3).values
+        total = values.cumsum(dim=3)
+        before = total.gather(3, last_reset) - values.gather(3, last_reset)
+        return total - before

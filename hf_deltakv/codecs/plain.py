@@ -1,0 +1,31 @@
+"""Plain per-token block quantization: the llama.cpp `-ctk/-ctv` baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import dequantize, get_format, quantize
+from .base import StreamCodec, append_along_seq
+
+
+class PlainCodec(StreamCodec):
+    """Each token quantized on its own in blocks of its head dimension.
+
+    Args:
+        fmt: block format name (`q4_0`, `q4_1`, `q8_0`, `f16`).
+    """
+
+    def __init__(self, fmt: str = "q4_0") -> None:
+        super().__init__()
+        self.fmt = get_format(fmt).name
+        self.stored = None
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("stored",)
+
+    def append(self, x: torch.Tensor) -> None:
+        self.stored = append_along_seq(self.stored, quantize(x, self.fmt))
+        self.length += x.shape[2]
+
+    def decode(self) -> torch.Tensor:
+        return dequantize(self.stored)

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity through a cache, text sources."""

@@ -1,0 +1,103 @@
+"""Side-by-side perplexity of several caches on one model and text, as a table and JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..registry import build_cache
+from .perplexity import perplexity, token_windows
+from .texts import load_text
+
+DEFAULT_CACHES = ("fp16", "q8_0", "q4_0", "q4_1", "q4_0-rot", "kivi", "kivi-pre-rope", "delta")
+
+
+def compare_caches(
+    model,
+    tokenizer,
+    text: str = "python-docs",
+    caches: tuple[str, ...] = DEFAULT_CACHES,
+    ctx: tuple[int, ...] = (1024,),
+    windows: int = 4,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of every cache spec at every context length; Δ is relative to the first cache.
+
+    Returns:
+        a JSON-ready dict: `config` (everything needed to rerun) and `rows`.
+    """
+    ids = tokenizer(load_text(text), return_tensors="pt").input_ids[0]
+    rows = []
+    bar = _progress_bar(len(caches) * len(ctx) * windows, progress)
+    for n in ctx:
+        wins = token_windows(ids, n, windows)
+        reference = None
+        for spec in caches:
+            build_cache(spec, model)  # fail on a bad spec before spending time
+            result = perplexity(model, wins, lambda spec=spec: build_cache(spec, model), lambda i: bar.update(1))
+            reference = reference or result.perplexity
+            rows.append(
+                {
+                    "cache": spec,
+                    "ctx": n,
+                    "delta_pct": 100 * (result.perplexity / reference - 1),
+                    **asdict(result),
+                }
+            )
+    bar.close()
+    config = {
+        "model": getattr(model, "name_or_path", None) or type(model).__name__,
+        "model_dtype": str(next(model.parameters()).dtype),
+        "text": text,
+        "tokens_in_text": int(ids.numel()),
+        "caches": list(caches),
+        "ctx": list(ctx),
+        "windows": windows,
+        "reference": caches[0],
+        "protocol": "one forward per window through a fresh cache; attention sees the reconstruction of all tokens",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    return {"config": config, "rows": rows}
+
+
+def markdown_table(result: dict) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| cache | ctx | perplexity | Δ vs " + result["config"]["reference"] + " | bits/element | seconds |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['cache']} | {row['ctx']} | {row['perplexity']:.4f} | {row['delta_pct']:+.2f} % "
+            f"| {row['bits_per_element']:.3f} | {row['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="windows", unit="win")

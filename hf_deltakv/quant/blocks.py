@@ -1,0 +1,163 @@
+"""Quantize and dequantize llama.cpp block formats in PyTorch (the reference implementation).
+
+Arithmetic follows ggml-quants.c (and `gguf.quants`) so that codes and scales match byte for byte. Defined edge
+cases, beyond llama.cpp:
+- a last dimension that is not a multiple of 32 is zero-padded to one; the padding is stored (and counted) and
+  dropped on dequantization;
+- a block holding NaN or ±inf gets a NaN scale, so the whole block decodes as NaN instead of finite garbage;
+- a scale beyond the fp16 range saturates at ±65504 (llama.cpp would store inf), so huge finite values clip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import BlockFormat, get_format
+from .packing import pack_4bit, unpack_4bit
+
+FP16_MAX = 65504.0
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed storage of a tensor `[*lead, dim]` in one block format.
+
+    Args:
+        fmt: the block format.
+        dim: the original last dimension (before padding to whole blocks).
+        codes: `uint8 [*lead, n_blocks, code_bytes]` (`float16 [*lead, dim]` for `f16`).
+        scales: `float16 [*lead, n_blocks]` (None for `f16`).
+        mins: `float16 [*lead, n_blocks]` for asymmetric formats, else None.
+    """
+
+    fmt: BlockFormat
+    dim: int
+    codes: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.mins) if t is not None]
+
+    def nbytes(self) -> int:
+        """Bytes really held by the packed storage."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map(self, fn) -> "QuantizedTensor":
+        """Apply `fn` to every stored tensor (they share their leading dimensions)."""
+        scales = None if self.scales is None else fn(self.scales)
+        mins = None if self.mins is None else fn(self.mins)
+        return QuantizedTensor(self.fmt, self.dim, fn(self.codes), scales, mins)
+
+    @staticmethod
+    def cat(parts: list["QuantizedTensor"], dim: int) -> "QuantizedTensor":
+        """Concatenate along a leading dimension `dim` (non-negative)."""
+        first = parts[0]
+        joined = [torch.cat(ts, dim=dim) for ts in zip(*(p.tensors() for p in parts))]
+        names = [n for n in ("codes", "scales", "mins") if getattr(first, n) is not None]
+        return QuantizedTensor(first.fmt, first.dim, **dict(zip(names, joined)))
+
+
+def _check_float(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"expected a floating-point tensor (float32, float16 or bfloat16), got {got}")
+
+
+def _to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 view `[*lead, n_blocks, block_size]`, zero-padded."""
+    pad = (-x.shape[-1]) % block_size
+    x = x.float()
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block_size)
+
+
+def _safe_reciprocal(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _finalize_scale(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """fp16 scale: saturate at the fp16 range, NaN where the block is not finite."""
+    d = d.clamp(-FP16_MAX, FP16_MAX)
+    d = torch.where(torch.isfinite(blocks).all(dim=-1), d, torch.full_like(d, float("nan")))
+    return d.to(torch.float16)
+
+
+def quantize_q4_0(x: torch.Tensor) -> QuantizedTensor:
+    """Symmetric 4-bit: scale = signed absmax / -8, codes = trunc(x / scale + 8.5) clipped to 0..15."""
+    _check_float(x)
+    fmt = get_format("q4_0")
+    blocks = _to_blocks(x, fmt.block_size)
+    imax = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(blocks, -1, imax) / -8
+    d = d.clamp(-FP16_MAX, FP16_MAX)
+    inv = _safe_reciprocal(d)
+    q = torch.trunc(blocks * inv + 8.5).nan_to_num(0.0).clamp(0, 15).to(torch.uint8)
+    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), _finalize_scale(d.squeeze(-1), blocks))
+
+
+def quantize_q4_1(x: torch.Tensor) -> QuantizedTensor:
+    """Asymmetric 4-bit: scale = (max - min) / 15, min stored, codes = trunc((x - min) / scale + 0.5)."""
+    _check_float(x)
+    fmt = get_format("q4_1")
+    blocks = _to_blocks(x, fmt.block_size)
+    hi = blocks.amax(dim=-1, keepdim=True)
+    lo = blocks.amin(dim=-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX)
+    d = ((hi - lo) / 15).clamp(-FP16_MAX, FP16_MAX)
+    inv = _safe_reciprocal(d)
+    q = torch.trunc((blocks - lo) * inv + 0.5).nan_to_num(0.0).clamp(0, 15).to(torch.uint8)
+    finite = torch.isfinite(blocks).all(dim=-1)
+    mins = torch.where(finite, lo.squeeze(-1), torch.full_like(finite, float("nan"), dtype=torch.float32))
+    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), _finalize_scale(d.squeeze(-1), blocks), mins.to(torch.float16))
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def quantize_q8_0(x: torch.Tensor) -> QuantizedTensor:
+    """Symmetric 8-bit: scale = absmax / 127, codes = round(x / scale) as int8 (stored as uint8 bytes)."""
+    _check_float(x)
+    fmt = get_format("q8_0")
+    blocks = _to_blocks(x, fmt.block_size)
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / 127).clamp(max=FP16_MAX)
+    inv = _safe_reciprocal(d)
+    q = _round_half_away(blocks * inv).nan_to_num(0.0).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    return QuantizedTensor(fmt, x.shape[-1], q, _finalize_scale(d.squeeze(-1), blocks))
+
+
+def quantize_f16(x: torch.Tensor) -> QuantizedTensor:
+    """Plain fp16 storage (the unquantized baseline), saturating like the block formats."""
+    _check_float(x)
+    y = x.float()
+    y = torch.where(torch.isfinite(y), y.clamp(-FP16_MAX, FP16_MAX), y)
+    return QuantizedTensor(get_format("f16"), x.shape[-1], y.to(torch.float16))
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode packed storage back to `[*lead, dim]` in `dtype`."""
+    name = q.fmt.name
+    if name == "f16":
+        return q.codes.to(dtype)
+    if name == "q8_0":
+        values = q.codes.view(torch.int8).float()
+    else:
+        values = unpack_4bit(q.codes).float()
+        if name == "q4_0":
+            values = values - 8
+    out = values * q.scales.float().unsqueeze(-1)
+    if q.mins is not None:
+        out = out + q.mins.float().unsqueeze(-1)
+    return out.reshape(*out.shape[:-2], -1)[..., : q.dim].to(dtype)
+
+
+QUANTIZERS = {"q4_0": quantize_q4_0, "q4_1": quantize_q4_1, "q8_0": quantize_q8_0, "f16": quantize_f16}
+
+
+def quantize(x: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """Quantize `x` along its last dimension into the named format."""
+    get_format(fmt)
+    return QUANTIZERS[fmt](x)

@@ -1,0 +1,57 @@
+"""Block formats declared as data: what a format costs is checked, not assumed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A llama.cpp-style block format along the last dimension.
+
+    Args:
+        name: llama.cpp's name (`q4_0`, `q4_1`, `q8_0`, `f16`).
+        bits: bits per code.
+        block_size: elements sharing one scale.
+        scale_bytes: bytes of fp16 metadata per block (scale, and min for asymmetric formats).
+        bytes_per_block: total bytes of one block, as llama.cpp lays it out.
+    """
+
+    name: str
+    bits: int
+    block_size: int
+    scale_bytes: int
+    bytes_per_block: int
+
+    def __post_init__(self) -> None:
+        code_bytes = self.bits * self.block_size // 8
+        if code_bytes + self.scale_bytes != self.bytes_per_block:
+            raise ValueError(
+                f"format {self.name}: {self.block_size} codes of {self.bits} bits + {self.scale_bytes} scale bytes "
+                f"is {code_bytes + self.scale_bytes} bytes, not the declared {self.bytes_per_block}"
+            )
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of packed codes in one block."""
+        return self.bits * self.block_size // 8
+
+    @property
+    def bits_per_element(self) -> float:
+        """Nominal storage cost (ignores padding of a last dimension that is not a multiple of the block)."""
+        return 8 * self.bytes_per_block / self.block_size
+
+
+FORMATS: dict[str, BlockFormat] = {
+    "q4_0": BlockFormat("q4_0", bits=4, block_size=32, scale_bytes=2, bytes_per_block=18),
+    "q4_1": BlockFormat("q4_1", bits=4, block_size=32, scale_bytes=4, bytes_per_block=20),
+    "q8_0": BlockFormat("q8_0", bits=8, block_size=32, scale_bytes=2, bytes_per_block=34),
+    "f16": BlockFormat("f16", bits=16, block_size=1, scale_bytes=0, bytes_per_block=2),
+}
+
+
+def get_format(name: str) -> BlockFormat:
+    """Look a format up by name, with an error naming the allowed ones."""
+    if not isinstance(name, str) or name not in FORMATS:
+        raise ValueError(f"unknown block format {name!r}; allowed: {sorted(FORMATS)}")
+    return FORMATS[name]

