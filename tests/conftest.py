@@ -25,11 +25,18 @@ def tiny_config(arch: str):
     if arch == "mistral":
         return MistralConfig(**TINY, num_attention_heads=2, num_key_value_heads=1, sliding_window=None)
     if arch == "mixtral":
-        return MixtralConfig(**TINY, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                             num_experts_per_tok=2)
+        return MixtralConfig(
+            **TINY, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2
+        )
     if arch == "gemma3":
-        return Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, num_attention_heads=2, num_key_value_heads=1,
-                                head_dim=32, sliding_window=8, sliding_window_pattern=2)
+        return Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=8,
+            sliding_window_pattern=2,
+        )
     raise ValueError(arch)
 
 

@@ -21,8 +21,10 @@ CACHES = {
 
 def kv(tokens: int, batch: int = 2, heads: int = 3, dim: int = 64, seed: int = 0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, heads, tokens, dim, generator=g).to(dtype),
-            torch.randn(batch, heads, tokens, dim, generator=g).to(dtype))
+    return (
+        torch.randn(batch, heads, tokens, dim, generator=g).to(dtype),
+        torch.randn(batch, heads, tokens, dim, generator=g).to(dtype),
+    )
 
 
 @pytest.mark.parametrize("name", CACHES)
@@ -99,12 +101,22 @@ def test_reset_empties_the_cache():
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(kf=0), "kf"), (dict(kf=-1), "kf"), (dict(kf="32"), "kf"),
-    (dict(delta_format="q5_k"), "allowed"), (dict(keyframe_format="fp8"), "allowed"),
-    (dict(reference="future"), "previous"), (dict(values="int4"), "values"), (dict(sink_tokens=-1), "sink_tokens"),
-    (dict(pre_rope=True), "model"), (dict(model="llama"), "nn.Module"), (dict(rotate="yes"), "rotate"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kf=0), "kf"),
+        (dict(kf=-1), "kf"),
+        (dict(kf="32"), "kf"),
+        (dict(delta_format="q5_k"), "allowed"),
+        (dict(keyframe_format="fp8"), "allowed"),
+        (dict(reference="future"), "previous"),
+        (dict(values="int4"), "values"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(pre_rope=True), "model"),
+        (dict(model="llama"), "nn.Module"),
+        (dict(rotate="yes"), "rotate"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DeltaKVCache(**kwargs)

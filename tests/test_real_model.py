@@ -32,7 +32,11 @@ def test_default_model_shape(real_model):
     model, _ = real_model
     cfg = model.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
-        "llama", 30, 9, 3)
+        "llama",
+        30,
+        9,
+        3,
+    )
 
 
 def test_delta_beats_q4_0_by_four_within_five_bits(real_model, windows):

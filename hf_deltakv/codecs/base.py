@@ -7,7 +7,7 @@ storage only; the layer decides what to feed them (rotated, pre-RoPE, after the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -34,7 +34,10 @@ def _flags(q: QuantizedTensor) -> torch.Tensor:
 
 def _select_blocks(flags: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
     """Blockwise choice: `a` where `flags`, else `b` (same format and shape)."""
-    pick = lambda x, y, f: None if x is None else torch.where(f, x, y)  # noqa: E731
+
+    def pick(x: torch.Tensor | None, y: torch.Tensor | None, f: torch.Tensor) -> torch.Tensor | None:
+        return None if x is None else torch.where(f, x, y)
+
     return QuantizedTensor(
         a.fmt,
         a.dim,

@@ -41,7 +41,7 @@ def rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     if inverse:
         h = h.T
     y = x.float().reshape(*x.shape[:-1], dim // block, block) @ h
-    return y.reshape(x.shape[:-1] + (dim,))
+    return y.reshape(*x.shape[:-1], dim)
 
 
 class RotatedCodec(StreamCodec):

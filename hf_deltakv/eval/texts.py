@@ -9,10 +9,31 @@ BUILTIN_TEXTS = ("python-docs", "stdlib-code", "wikitext2")
 
 # A fixed list keeps the stdlib-code text identical across machines of the same Python version.
 STDLIB_MODULES = (
-    "argparse.py", "ast.py", "calendar.py", "configparser.py", "csv.py", "dataclasses.py", "difflib.py",
-    "fractions.py", "functools.py", "heapq.py", "inspect.py", "ipaddress.py", "logging/__init__.py",
-    "pathlib.py", "pickle.py", "pprint.py", "shutil.py", "statistics.py", "string.py", "subprocess.py",
-    "tarfile.py", "textwrap.py", "threading.py", "typing.py", "zipfile.py",
+    "argparse.py",
+    "ast.py",
+    "calendar.py",
+    "configparser.py",
+    "csv.py",
+    "dataclasses.py",
+    "difflib.py",
+    "fractions.py",
+    "functools.py",
+    "heapq.py",
+    "inspect.py",
+    "ipaddress.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "pickle.py",
+    "pprint.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "tarfile.py",
+    "textwrap.py",
+    "threading.py",
+    "typing.py",
+    "zipfile.py",
 )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -48,7 +48,7 @@ class CompressedLayer(CacheLayerMixin):
         value_codec: Callable[[], StreamCodec],
         sink_tokens: int = 0,
         rope: RopeInverter | None = None,
-        positions: "PositionLog | None" = None,
+        positions: PositionLog | None = None,
     ) -> None:
         super().__init__()
         self._make_key_codec, self._make_value_codec = key_codec, value_codec

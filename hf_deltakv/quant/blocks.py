@@ -45,19 +45,19 @@ class QuantizedTensor:
         """Bytes really held by the packed storage."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def map(self, fn) -> "QuantizedTensor":
+    def map(self, fn) -> QuantizedTensor:
         """Apply `fn` to every stored tensor (they share their leading dimensions)."""
         scales = None if self.scales is None else fn(self.scales)
         mins = None if self.mins is None else fn(self.mins)
         return QuantizedTensor(self.fmt, self.dim, fn(self.codes), scales, mins)
 
     @staticmethod
-    def cat(parts: list["QuantizedTensor"], dim: int) -> "QuantizedTensor":
+    def cat(parts: list[QuantizedTensor], dim: int) -> QuantizedTensor:
         """Concatenate along a leading dimension `dim` (non-negative)."""
         first = parts[0]
-        joined = [torch.cat(ts, dim=dim) for ts in zip(*(p.tensors() for p in parts))]
+        joined = [torch.cat(ts, dim=dim) for ts in zip(*(p.tensors() for p in parts), strict=True)]
         names = [n for n in ("codes", "scales", "mins") if getattr(first, n) is not None]
-        return QuantizedTensor(first.fmt, first.dim, **dict(zip(names, joined)))
+        return QuantizedTensor(first.fmt, first.dim, **dict(zip(names, joined, strict=True)))
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -86,10 +86,10 @@ def _finalize_scale(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return d.to(torch.float16)
 
 
-def quantize_q4_0(x: torch.Tensor) -> QuantizedTensor:
+def quantize_q4_0(x: torch.Tensor, fmt_name: str = "q4_0") -> QuantizedTensor:
     """Symmetric 4-bit: scale = signed absmax / -8, codes = trunc(x / scale + 8.5) clipped to 0..15."""
     _check_float(x)
-    fmt = get_format("q4_0")
+    fmt = get_format(fmt_name)
     blocks = _to_blocks(x, fmt.block_size)
     imax = blocks.abs().argmax(dim=-1, keepdim=True)
     d = torch.gather(blocks, -1, imax) / -8
@@ -99,10 +99,10 @@ def quantize_q4_0(x: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), _finalize_scale(d.squeeze(-1), blocks))
 
 
-def quantize_q4_1(x: torch.Tensor) -> QuantizedTensor:
+def quantize_q4_1(x: torch.Tensor, fmt_name: str = "q4_1") -> QuantizedTensor:
     """Asymmetric 4-bit: scale = (max - min) / 15, min stored, codes = trunc((x - min) / scale + 0.5)."""
     _check_float(x)
-    fmt = get_format("q4_1")
+    fmt = get_format(fmt_name)
     blocks = _to_blocks(x, fmt.block_size)
     hi = blocks.amax(dim=-1, keepdim=True)
     lo = blocks.amin(dim=-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX)
@@ -111,7 +111,8 @@ def quantize_q4_1(x: torch.Tensor) -> QuantizedTensor:
     q = torch.trunc((blocks - lo) * inv + 0.5).nan_to_num(0.0).clamp(0, 15).to(torch.uint8)
     finite = torch.isfinite(blocks).all(dim=-1)
     mins = torch.where(finite, lo.squeeze(-1), torch.full_like(finite, float("nan"), dtype=torch.float32))
-    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), _finalize_scale(d.squeeze(-1), blocks), mins.to(torch.float16))
+    scales = _finalize_scale(d.squeeze(-1), blocks)
+    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), scales, mins.to(torch.float16))
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +147,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         values = q.codes.view(torch.int8).float()
     else:
         values = unpack_4bit(q.codes).float()
-        if name == "q4_0":
+        if q.mins is None:  # symmetric 4-bit formats store codes offset by 8
             values = values - 8
     out = values * q.scales.float().unsqueeze(-1)
     if q.mins is not None:
@@ -154,7 +155,14 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     return out.reshape(*out.shape[:-2], -1)[..., : q.dim].to(dtype)
 
 
-QUANTIZERS = {"q4_0": quantize_q4_0, "q4_1": quantize_q4_1, "q8_0": quantize_q8_0, "f16": quantize_f16}
+QUANTIZERS = {
+    "q4_0": quantize_q4_0,
+    "q4_1": quantize_q4_1,
+    "q8_0": quantize_q8_0,
+    "f16": quantize_f16,
+    "q4_0_16": lambda x: quantize_q4_0(x, "q4_0_16"),
+    "q4_1_16": lambda x: quantize_q4_1(x, "q4_1_16"),
+}
 
 
 def quantize(x: torch.Tensor, fmt: str) -> QuantizedTensor:

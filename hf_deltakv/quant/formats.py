@@ -47,6 +47,9 @@ FORMATS: dict[str, BlockFormat] = {
     "q4_1": BlockFormat("q4_1", bits=4, block_size=32, scale_bytes=4, bytes_per_block=20),
     "q8_0": BlockFormat("q8_0", bits=8, block_size=32, scale_bytes=2, bytes_per_block=34),
     "f16": BlockFormat("f16", bits=16, block_size=1, scale_bytes=0, bytes_per_block=2),
+    # Not in llama.cpp: the same arithmetic over blocks of 16, for a finer scale at +0.5 bit per element.
+    "q4_0_16": BlockFormat("q4_0_16", bits=4, block_size=16, scale_bytes=2, bytes_per_block=10),
+    "q4_1_16": BlockFormat("q4_1_16", bits=4, block_size=16, scale_bytes=4, bytes_per_block=12),
 }
 
 
