@@ -218,7 +218,9 @@ class DeltaKVCache(CompressedKVCache):
         delta_format: block format of key deltas (`q4_0`, `q4_1`, `q8_0`).
         keyframe_format: block format of keyframes.
         reference: `"previous"` (closed loop on the previous token) or `"keyframe"`.
-        intra: per block of 32 channels, code plainly when that reconstructs better (flag in the scale's LSB).
+        intra: per block of channels, code against the long-term reference when that reconstructs better (the flag
+            bit rides in the scale's lowest mantissa bit).
+        mean_reference: the long-term reference is the stream's running mean (snapshotted, causal), else zero.
         values: `"delta"`, a block format name for plain per-token values, or a dict of `DeltaCodec` options.
         rotate: Hadamard-rotate head vectors before coding.
         sink_tokens: first tokens kept raw.
@@ -237,15 +239,21 @@ class DeltaKVCache(CompressedKVCache):
         keyframe_format: str = "q8_0",
         reference: str = "previous",
         intra: bool = True,
+        mean_reference: bool = True,
         values: str | dict = "q4_0",
         rotate: bool = True,
         sink_tokens: int = 4,
         model: nn.Module | None = None,
         pre_rope: bool | None = None,
     ) -> None:
-        key_options = dict(
-            kf=kf, delta_format=delta_format, keyframe_format=keyframe_format, reference=reference, intra=intra
-        )
+        key_options = {
+            "kf": kf,
+            "delta_format": delta_format,
+            "keyframe_format": keyframe_format,
+            "reference": reference,
+            "intra": intra,
+            "mean_reference": mean_reference,
+        }
         DeltaCodec(**key_options)  # validate now, not at the first forward
         if isinstance(values, dict):
             value_options = {**key_options, **values}

@@ -5,10 +5,13 @@ difference from the *reconstruction* of its reference (the previous token, or it
 error of each token is that of one quantization step, at any distance from its keyframe. Decoding is the
 keyframe plus a prefix sum of the dequantized deltas.
 
-With `intra=True`, each block of 32 channels of a delta token may instead be coded on its own (plain), whichever
-reconstructs it better: the inter/intra decision of video codecs. The one flag bit per block lives in the least
-significant mantissa bit of the block's fp16 scale (a relative change of the scale of at most 2**-10), so it
-costs no extra storage.
+With `intra=True`, each block of channels of a token may instead be coded against a long-term reference, whichever
+reconstructs it better: the inter/intra decision of video codecs. The long-term reference is the stream's running
+mean (`mean_reference=True`; zero otherwise), snapshotted in fp16 when the stream reaches 16, 64, 256 and 1024
+tokens and every 2048 tokens after that, and used only for later tokens (causal). Keys before RoPE carry a large
+per-channel offset and only weak token-to-token correlation, so in many blocks the mean predicts better than the
+previous token does. The one flag bit per block lives in the least significant mantissa bit of the block's fp16
+scale (a relative change of the scale of at most 2**-10), so it costs no extra storage.
 """
 
 from __future__ import annotations
@@ -19,6 +22,18 @@ from ..quant import QuantizedTensor, dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq
 
 REFERENCES = ("previous", "keyframe")
+FIRST_SNAPSHOT, LAST_GROWING, LATER_INTERVAL = 16, 1024, 2048
+
+
+def snapshots_at_or_before(index: torch.Tensor) -> torch.Tensor:
+    """How many mean snapshots exist once the stream holds `index` tokens.
+
+    Snapshots are taken at 16, 64, 256 and 1024 tokens (the mean settles fast), then every 2048 tokens.
+    """
+    t = index.long()
+    growing = (torch.log2(t.clamp(min=1).double() / FIRST_SNAPSHOT) / 2).floor().long() + 1
+    later = 4 + (t - LAST_GROWING) // LATER_INTERVAL
+    return torch.where(t < FIRST_SNAPSHOT, 0, torch.where(t < LAST_GROWING, growing, later))
 
 
 def _with_flags(q: QuantizedTensor, flags: torch.Tensor) -> QuantizedTensor:
@@ -57,6 +72,12 @@ def _expand_blocks(flags: torch.Tensor, block: int, dim: int) -> torch.Tensor:
     return flags.repeat_interleave(block, dim=-1)[..., :dim]
 
 
+def _delta_positions(count: int, kf: int, device: torch.device) -> torch.Tensor:
+    """Stream positions of the first `count` non-keyframe tokens (offsets 1..kf-1 of each group)."""
+    index = torch.arange(count, device=device)
+    return (index // (kf - 1)) * kf + index % (kf - 1) + 1
+
+
 class DeltaCodec(StreamCodec):
     """Closed-loop delta coding of one stream.
 
@@ -66,7 +87,9 @@ class DeltaCodec(StreamCodec):
         keyframe_format: block format of the keyframes.
         reference: `"previous"` (delta from the previous token's reconstruction) or `"keyframe"` (from the group's
             keyframe reconstruction).
-        intra: allow each delta block to be coded plainly instead when that reconstructs it better.
+        intra: let each block of a delta token be coded against the long-term reference instead, when that
+            reconstructs it better (one flag bit per block, carried in the scale).
+        mean_reference: the long-term reference is the stream's running mean (else zero: plain coding).
     """
 
     def __init__(
@@ -76,6 +99,7 @@ class DeltaCodec(StreamCodec):
         keyframe_format: str = "q8_0",
         reference: str = "previous",
         intra: bool = True,
+        mean_reference: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(kf, int) or isinstance(kf, bool) or kf < 1:
@@ -85,76 +109,105 @@ class DeltaCodec(StreamCodec):
         fmt = get_format(delta_format)
         get_format(keyframe_format)
         if intra and fmt.name == "f16":
-            raise ValueError("intra=True needs a block-quantized delta_format (q4_0, q4_1, q8_0), not f16")
+            raise ValueError("intra=True needs a block-quantized delta_format (e.g. q4_0, q8_0), not f16")
         self.kf = kf
         self.delta_format = delta_format
         self.keyframe_format = keyframe_format
         self.reference = reference
         self.intra = intra
+        self.mean_reference = intra and mean_reference
         self.keyframes = None  # QuantizedTensor [B, H, groups, ...]
         self.deltas = None  # QuantizedTensor [B, H, non-keyframe tokens, ...]
         # fp32 [B, H, 1, D]: what the next token of an unfinished group is coded against, kept so that appending
         # never decodes history: the last token's reconstruction, or the group's keyframe reconstruction.
         self.reference_state = None
+        self.running_sum = None  # fp32 [B, H, 1, D]: sum of all inputs, for the next mean snapshot
+        self.means = None  # fp16 [B, H, snapshots, D]
 
     def state_names(self) -> tuple[str, ...]:
-        return ("keyframes", "deltas", "reference_state")
+        return ("keyframes", "deltas", "reference_state", "running_sum", "means")
 
-    def _code_delta(self, x: torch.Tensor, base: torch.Tensor) -> tuple[QuantizedTensor, torch.Tensor]:
-        """Quantize `x - base`; with intra, per block the better of that and `x` itself."""
+    def _take_snapshots(self, x: torch.Tensor) -> None:
+        """Record the mean snapshots due within this chunk (each from the tokens before its point)."""
+        start, end = self.length, self.length + x.shape[2]
+        before = self.running_sum if self.running_sum is not None else torch.zeros_like(x[:, :, :1])
+        have = snapshots_at_or_before(torch.tensor(start)).item()
+        due = snapshots_at_or_before(torch.tensor(end)).item()
+        if due > have:
+            counts = snapshots_at_or_before(torch.arange(start, end + 1))
+            points = (torch.nonzero(counts[1:] > counts[:-1]).squeeze(1) + start + 1).tolist()
+            sums = before + x.cumsum(dim=2)  # sums[:, :, i] = sum of tokens < start + i + 1
+            snaps = torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2).to(torch.float16)
+            self.means = append_along_seq(self.means, snaps)
+        self.running_sum = before + x.sum(dim=2, keepdim=True)
+
+    def _means_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The long-term reference of tokens at `positions`, `[B, H, len(positions), D]` in fp32."""
+        batch, heads, _, dim = like.shape
+        if not self.mean_reference or self.means is None:
+            return torch.zeros(batch, heads, positions.numel(), dim, device=like.device)
+        index = snapshots_at_or_before(positions) - 1
+        table = torch.cat([torch.zeros_like(self.means[:, :, :1]), self.means], dim=2).float()
+        return table.index_select(2, (index + 1).to(table.device))
+
+    def _code_delta(
+        self, x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor
+    ) -> tuple[QuantizedTensor, torch.Tensor]:
+        """Quantize `x - base`; with intra, per block the better of that and `x - long_term`."""
         inter = quantize(x - base, self.delta_format)
         inter_rec = base + dequantize(inter)
         if not self.intra:
             return inter, inter_rec
-        plain = quantize(x, self.delta_format)
-        plain_rec = dequantize(plain)
+        intra = quantize(x - long_term, self.delta_format)
+        intra_rec = long_term + dequantize(intra)
         block = get_format(self.delta_format).block_size
-        use_plain = _block_sse(plain_rec, x, block) < _block_sse(inter_rec, x, block)
-        chosen = _with_flags(_select_blocks(use_plain, plain, inter), use_plain)
+        use_intra = _block_sse(intra_rec, x, block) < _block_sse(inter_rec, x, block)
+        chosen = _with_flags(_select_blocks(use_intra, intra, inter), use_intra)
         # Reconstruct from what is stored (the flagged scale), exactly as the decoder will.
-        rec = self._reconstruct(dequantize(chosen), _flags(chosen), base)
-        return chosen, rec
-
-    def _reconstruct(self, values: torch.Tensor, flags: torch.Tensor | None, base: torch.Tensor) -> torch.Tensor:
-        if flags is None:
-            return base + values
-        block = get_format(self.delta_format).block_size
-        return torch.where(_expand_blocks(flags, block, values.shape[-1]), values, base + values)
+        values = dequantize(chosen)
+        flags = _expand_blocks(_flags(chosen), block, x.shape[-1])
+        return chosen, torch.where(flags, long_term + values, base + values)
 
     def append(self, x: torch.Tensor) -> None:
         batch, heads, new, dim = x.shape
         kf, start = self.kf, self.length % self.kf
+        x = x.float()
+        if self.mean_reference:
+            self._take_snapshots(x)
         groups = (start + new + kf - 1) // kf
         slots = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=x.device)
-        slots[:, :, start : start + new] = x.float()
+        slots[:, :, start : start + new] = x
         slots = slots.view(batch, heads, groups, kf, dim)
+        long_term = torch.zeros_like(slots)
+        if self.mean_reference:
+            positions = torch.arange(self.length - start, self.length - start + groups * kf, device=x.device)
+            long_term = self._means_at(positions, x).view(batch, heads, groups, kf, dim)
         recon = torch.zeros_like(slots)
         anchor = torch.zeros_like(slots[:, :, :, 0])
         if start and self.reference == "keyframe":
             anchor[:, :, 0] = self.reference_state[:, :, 0]
 
-        coded: list[QuantizedTensor] = []
         first_group = 1 if start else 0
         if start == 0 or groups > 1:
             key = quantize(slots[:, :, first_group:, 0], self.keyframe_format)
             recon[:, :, first_group:, 0] = dequantize(key)
             anchor[:, :, first_group:] = recon[:, :, first_group:, 0]
             self.keyframes = append_along_seq(self.keyframes, key)
+        coded: list[QuantizedTensor] = []
         for offset in range(1, kf):
             base = recon[:, :, :, offset - 1] if self.reference == "previous" else anchor
             if start and offset == start and self.reference == "previous":
                 # The first group continues a group begun in an earlier call: its reference is the last token.
                 base = torch.cat([self.reference_state, base[:, :, 1:]], dim=2)
-            q, recon[:, :, :, offset] = self._code_delta(slots[:, :, :, offset], base)
+            q, recon[:, :, :, offset] = self._code_delta(slots[:, :, :, offset], base, long_term[:, :, :, offset])
             coded.append(q)
 
         if coded:
             # Gather the delta tokens of this chunk in sequence order: slot (group, offset) for offset >= 1.
             stacked = QuantizedTensor.cat([c.map(lambda t: t.unsqueeze(3)) for c in coded], dim=3)
             flat = stacked.map(lambda t: t.flatten(2, 3))
-            index = torch.arange(groups * (kf - 1), device=x.device)
-            position = (index // (kf - 1)) * kf + index % (kf - 1) + 1
-            keep = index[(position >= start) & (position < start + new)]
+            position = _delta_positions(groups * (kf - 1), kf, x.device)
+            keep = torch.nonzero((position >= start) & (position < start + new)).squeeze(1)
             self.deltas = append_along_seq(self.deltas, flat.map(lambda t: t.index_select(2, keep)))
 
         end = start + new - 1
@@ -168,32 +221,33 @@ class DeltaCodec(StreamCodec):
         n, kf = self.length, self.kf
         keys = dequantize(self.keyframes)
         batch, heads, groups, dim = keys.shape
-        values = torch.zeros(batch, heads, groups, kf, dim, dtype=torch.float32, device=keys.device)
-        values[:, :, :, 0] = keys
+        values = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=keys.device)
+        values.view(batch, heads, groups, kf, dim)[:, :, :, 0] = keys
         flags = None
         if self.deltas is not None:
             deltas = dequantize(self.deltas)
-            index = torch.arange(deltas.shape[2], device=keys.device)
-            position = (index // (kf - 1)) * kf + index % (kf - 1) + 1
-            values.view(batch, heads, groups * kf, dim)[:, :, position] = deltas
+            position = _delta_positions(deltas.shape[2], kf, keys.device)
             if self.intra:
                 block = get_format(self.delta_format).block_size
-                per_token = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.bool, device=keys.device)
-                per_token[:, :, position] = _expand_blocks(_flags(self.deltas), block, dim)
-                flags = per_token.view(batch, heads, groups, kf, dim)
-        recon = self._decode_groups(values, flags)
+                token_flags = _expand_blocks(_flags(self.deltas), block, dim)
+                if self.mean_reference:
+                    deltas = deltas + token_flags * self._means_at(position, keys)
+                flags = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.bool, device=keys.device)
+                flags[:, :, position] = token_flags
+                flags = flags.view(batch, heads, groups, kf, dim)
+            values[:, :, position] = deltas
+        recon = self._decode_groups(values.view(batch, heads, groups, kf, dim), flags)
         return recon.reshape(batch, heads, groups * kf, dim)[:, :, :n]
 
     def _decode_groups(self, values: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
-        """values `[B, H, G, kf, D]`: keyframe at offset 0, then deltas (or plain values where `flags`)."""
+        """values `[B, H, G, kf, D]`: keyframe at offset 0, then deltas (or long-term-coded values where `flags`)."""
         if self.reference == "keyframe":
-            base = values[:, :, :, :1]
-            rec = values + base
+            rec = values + values[:, :, :, :1]
             rec[:, :, :, 0] = values[:, :, :, 0]
             return rec if flags is None else torch.where(flags, values, rec)
         if flags is None:
             return values.cumsum(dim=3)
-        # Segmented prefix sum: every plain block (and the keyframe) restarts the running sum of its channels.
+        # Segmented prefix sum: every intra block (and the keyframe) restarts the running sum of its channels.
         resets = flags.clone()
         resets[:, :, :, 0] = True
         offsets = torch.arange(values.shape[3], device=values.device).view(1, 1, 1, -1, 1)
