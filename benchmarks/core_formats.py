@@ -29,14 +29,17 @@ FORMATS = (
     "kivi",
     "kivi-pre-rope",
     "delta",
-    "delta:pre_rope=false",
+    "delta:delta_format=q4_0",
+    "delta:delta_format=q4_0,values=q4_0_16",
+    "delta:mean_reference=false",
     "delta:intra=false",
+    "delta:pre_rope=false",
     "delta:rotate=false",
     "delta:sink_tokens=0",
+    "delta:reference=keyframe",
     "delta:values=delta",
     "delta:values=q4_1",
-    "delta:delta_format=q4_1,values=q4_1",
-    "delta:reference=keyframe",
+    "delta:kf=64",
 )
 GROWTH = ("fp16", "q4_0", "delta:kf=32", "delta:kf=512")
 

@@ -215,7 +215,8 @@ class DeltaKVCache(CompressedKVCache):
 
     Args:
         kf: keyframe interval in tokens (>= 1).
-        delta_format: block format of key deltas (`q4_0`, `q4_1`, `q8_0`).
+        delta_format: block format of key deltas: 4-bit codes with one fp16 scale per 16 channels (`q4_0_16`) by
+            default; any of `hf_deltakv.quant.FORMATS`.
         keyframe_format: block format of keyframes.
         reference: `"previous"` (closed loop on the previous token) or `"keyframe"`.
         intra: per block of channels, code against the long-term reference when that reconstructs better (the flag
@@ -235,7 +236,7 @@ class DeltaKVCache(CompressedKVCache):
     def __init__(
         self,
         kf: int = 32,
-        delta_format: str = "q4_0",
+        delta_format: str = "q4_0_16",
         keyframe_format: str = "q8_0",
         reference: str = "previous",
         intra: bool = True,

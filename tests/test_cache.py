@@ -51,9 +51,9 @@ def test_bits_per_element_is_measured():
     cache = DeltaKVCache(kf=32, sink_tokens=0)
     for layer in range(2):
         cache.update(*kv(1024, batch=1), layer)
-    # keys: 31 q4_0 deltas (4.5 bits) + 1 q8_0 keyframe (8.5) per 32; values q4_0; plus two fp32 state vectors
+    # keys: 31 q4_0_16 deltas (5 bits) + 1 q8_0 keyframe (8.5) per 32; values q4_0; plus two fp32 state vectors
     # (closed-loop reference, running sum) and four fp16 mean snapshots (at 16, 64, 256, 1024 tokens)
-    expected_keys = (31 * 4.5 + 8.5) / 32 + (2 * 32 + 4 * 16) / 1024
+    expected_keys = (31 * 5.0 + 8.5) / 32 + (2 * 32 + 4 * 16) / 1024
     assert cache.bits_per_element() == pytest.approx((expected_keys + 4.5) / 2, rel=1e-6)
     assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
     assert cache.layers[0].bits_per_element() == pytest.approx(cache.bits_per_element())
