@@ -5,35 +5,40 @@ A spec is a name with optional parameters, e.g. `delta`, `delta:kf=64`, `q4_0`, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
 from .cache import DeltaKVCache, KIVIKVCache, QuantizedKVCache
 
-CacheFactory = Callable[..., Cache]
 
-# name -> (description, factory(model, **params))
-CACHES: dict[str, tuple[str, CacheFactory]] = {
-    "dynamic": ("transformers DynamicCache in the model's dtype (the reference)", lambda model: DynamicCache()),
-    "fp16": ("fp16 storage, no quantization", lambda model, **kw: QuantizedKVCache("f16", "f16", **kw)),
-    "q8_0": ("llama.cpp q8_0 keys and values", lambda model, **kw: QuantizedKVCache("q8_0", "q8_0", **kw)),
-    "q4_0": ("llama.cpp q4_0 keys and values", lambda model, **kw: QuantizedKVCache("q4_0", "q4_0", **kw)),
-    "q4_1": ("llama.cpp q4_1 keys and values", lambda model, **kw: QuantizedKVCache("q4_1", "q4_1", **kw)),
-    "q4_0-rot": (
+@dataclass(frozen=True)
+class CacheEntry:
+    """A named cache: its class, the defaults of the name, and whether it is handed the model."""
+
+    description: str
+    cls: type[Cache]
+    defaults: dict = field(default_factory=dict)
+    takes_model: bool = False
+
+
+CACHES: dict[str, CacheEntry] = {
+    "dynamic": CacheEntry("transformers DynamicCache in the model's dtype (the reference)", DynamicCache),
+    "fp16": CacheEntry("fp16 storage, no quantization", QuantizedKVCache, {"k_format": "f16", "v_format": "f16"}),
+    "q8_0": CacheEntry("llama.cpp q8_0 keys and values", QuantizedKVCache, {"k_format": "q8_0", "v_format": "q8_0"}),
+    "q4_0": CacheEntry("llama.cpp q4_0 keys and values", QuantizedKVCache, {"k_format": "q4_0", "v_format": "q4_0"}),
+    "q4_1": CacheEntry("llama.cpp q4_1 keys and values", QuantizedKVCache, {"k_format": "q4_1", "v_format": "q4_1"}),
+    "q4_0-rot": CacheEntry(
         "q4_0 after a Hadamard rotation of each head (current llama.cpp)",
-        lambda model, **kw: QuantizedKVCache("q4_0", "q4_0", rotate=True, **kw),
+        QuantizedKVCache,
+        {"k_format": "q4_0", "v_format": "q4_0", "rotate": True},
     ),
-    "kivi": (
-        "KIVI-style: keys per channel over 32 tokens (q4_1), values per token (q4_1)",
-        lambda model, **kw: KIVIKVCache(**kw),
+    "kivi": CacheEntry("KIVI-style: keys per channel over 32 tokens (q4_1), values per token (q4_1)", KIVIKVCache),
+    "kivi-pre-rope": CacheEntry(
+        "KIVI-style with keys quantized before RoPE", KIVIKVCache, {"pre_rope": True}, takes_model=True
     ),
-    "kivi-pre-rope": (
-        "KIVI-style with keys quantized before RoPE",
-        lambda model, **kw: KIVIKVCache(model=model, pre_rope=True, **kw),
-    ),
-    "delta": ("DeltaKVCache (defaults; keys coded before RoPE)", lambda model, **kw: DeltaKVCache(model=model, **kw)),
+    "delta": CacheEntry("DeltaKVCache (defaults; keys coded before RoPE)", DeltaKVCache, takes_model=True),
 }
 
 
@@ -66,8 +71,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 def build_cache(spec: str, model: nn.Module | None = None) -> Cache:
     """A fresh cache for `spec` (see module docstring), for `model`."""
     name, params = parse_spec(spec)
-    factory = CACHES[name][1]
+    entry = CACHES[name]
+    kwargs = {**entry.defaults, **params}
+    if entry.takes_model:
+        kwargs.setdefault("model", model)
     try:
-        return factory(model, **params)
+        return entry.cls(**kwargs)
     except TypeError as err:
         raise ValueError(f"bad parameters for cache {name!r}: {err}") from err

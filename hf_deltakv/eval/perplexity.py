@@ -40,7 +40,8 @@ def token_windows(ids: torch.Tensor, ctx: int, windows: int) -> list[torch.Tenso
     return [ids[i * ctx : (i + 1) * ctx] for i in range(windows)]
 
 
-def _cache_bits(cache: Cache) -> tuple[float, int]:
+def cache_bits(cache: Cache) -> tuple[float, int]:
+    """(bits per cached scalar, bytes held) of any cache, a plain DynamicCache included."""
     if hasattr(cache, "bits_per_element"):
         return cache.bits_per_element(), cache.nbytes()
     # DynamicCache: count what it really holds.
@@ -78,7 +79,7 @@ def perplexity(
         logits = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
         nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
         count += ids.shape[1] - 1
-        b, n = _cache_bits(cache)
+        b, n = cache_bits(cache)
         bits.append(b)
         nbytes.append(n)
         if progress:

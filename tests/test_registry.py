@@ -1,0 +1,58 @@
+"""The one registry of caches: every entry serves generate(), specs parse, the CLI runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_deltakv.cli import main, split_specs
+from hf_deltakv.registry import CACHES, build_cache, parse_spec
+
+from .conftest import tiny_model
+
+
+@pytest.mark.parametrize("name", sorted(CACHES))
+def test_every_registered_cache_generates(name):
+    model = tiny_model("llama")
+    cache = build_cache(name, model)
+    out = model.generate(torch.randint(3, 128, (1, 9)), max_new_tokens=4, do_sample=False, cache=cache)
+    assert out.shape == (1, 13)
+
+
+def test_spec_parsing():
+    assert parse_spec("delta:kf=64,values=q4_1,intra=false") == (
+        "delta",
+        {"kf": 64, "values": "q4_1", "intra": False},
+    )
+    with pytest.raises(ValueError, match="allowed"):
+        parse_spec("zip")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("delta:kf")
+    with pytest.raises(ValueError, match="bad parameters"):
+        build_cache("q4_0:colour=red")
+    with pytest.raises(ValueError, match="kf"):
+        build_cache("delta:kf=0")
+
+
+def test_split_specs_keeps_parameters_with_their_cache():
+    assert split_specs("fp16,delta:kf=64,values=q4_1,q4_0") == ("fp16", "delta:kf=64,values=q4_1", "q4_0")
+    assert split_specs("fp16;delta:kf=8") == ("fp16", "delta:kf=8")
+
+
+@pytest.mark.real_model
+def test_cli_ppl_end_to_end(real_model, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = main(
+        ["ppl", "--ctx", "128", "--windows", "1", "--caches", "fp16,q4_0,delta", "--json", str(out), "--no-progress"]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| delta | 128 |" in table and "bits/element" in table
+    result = json.loads(out.read_text())
+    assert [row["cache"] for row in result["rows"]] == ["fp16", "q4_0", "delta"]
+    assert result["config"]["text"] == "python-docs"
+    rows = {row["cache"]: row for row in result["rows"]}
+    assert rows["q4_0"]["bits_per_element"] == pytest.approx(4.5)
+    assert rows["fp16"]["bits_per_element"] == pytest.approx(16.0)
