@@ -4,7 +4,7 @@ One forward per window through a fresh cache; attention sees the reconstruction 
 window's own), the way llama.cpp's perplexity tool measures its quantized caches. Prints Markdown tables and
 writes JSON (with the full config) to benchmarks/results/.
 
-    python benchmarks/core_formats.py                      # ~15 min on 2 CPU cores
+    python benchmarks/core_formats.py                      # ~25 min on 2 CPU cores
     python benchmarks/core_formats.py --windows 8 --text path/to/test.txt
 """
 
@@ -47,9 +47,10 @@ GROWTH = ("fp16", "q4_0", "delta:kf=32", "delta:kf=512")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text", default=str(DEFAULT_TEXT))
-    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--growth-ctx", default="512,4096", help="context lengths of the error-growth check")
+    parser.add_argument("--growth-windows", type=int, default=8)
     parser.add_argument("--out", default=str(HERE / "results" / "core_formats.json"))
     parser.add_argument("--skip-growth", action="store_true")
     args = parser.parse_args(argv)
@@ -60,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(result))
     if not args.skip_growth:
         growth_ctx = tuple(int(c) for c in args.growth_ctx.split(","))
-        growth = compare_caches(model, tokenizer, args.text, GROWTH, growth_ctx, args.windows)
-        print(f"\n## Error growth with context ({args.windows} windows each)\n")
+        growth = compare_caches(model, tokenizer, args.text, GROWTH, growth_ctx, args.growth_windows)
+        print(f"\n## Error growth with context ({args.growth_windows} windows each)\n")
         print(markdown_table(growth))
         result["growth"] = growth
     result["config"]["text"] = Path(args.text).name if Path(args.text).exists() else args.text
+    if "growth" in result:
+        result["growth"]["config"]["text"] = result["config"]["text"]
     write_json(result, args.out)
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -48,7 +49,10 @@ def converted_default_dir() -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else None
+    if target.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(target)
     return target
 
 

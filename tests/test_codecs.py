@@ -112,3 +112,11 @@ def test_bad_reference_and_format():
         DeltaCodec(reference="next")
     with pytest.raises(ValueError, match="allowed"):
         DeltaCodec(delta_format="q2")
+
+
+def test_segmented_prefix_sum_reference():
+    from hf_deltakv.kernels import segmented_prefix_sum
+
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    resets = torch.tensor([[False, False, True, False, True]])
+    assert segmented_prefix_sum(values, resets, dim=1).tolist() == [[1.0, 3.0, 3.0, 7.0, 5.0]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import segmented_prefix_sum
 from ..quant import QuantizedTensor, dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq
 
@@ -248,10 +249,4 @@ class DeltaCodec(StreamCodec):
         if flags is None:
             return values.cumsum(dim=3)
         # Segmented prefix sum: every intra block (and the keyframe) restarts the running sum of its channels.
-        resets = flags.clone()
-        resets[:, :, :, 0] = True
-        offsets = torch.arange(values.shape[3], device=values.device).view(1, 1, 1, -1, 1)
-        last_reset = torch.where(resets, offsets, torch.zeros_like(offsets)).cummax(dim=3).values
-        total = values.cumsum(dim=3)
-        before = total.gather(3, last_reset) - values.gather(3, last_reset)
-        return total - before
+        return segmented_prefix_sum(values, flags, dim=3)

@@ -39,15 +39,19 @@ def compare_caches(
         reference = None
         for spec in caches:
             build_cache(spec, model)  # fail on a bad spec before spending time
-            result = perplexity(model, wins, lambda spec=spec: build_cache(spec, model), lambda i: bar.update(1))
-            reference = reference or result.perplexity
+            result = perplexity(
+                model,
+                wins,
+                lambda spec=spec: build_cache(spec, model),
+                lambda i: bar.update(1),
+                reference=None if reference is None else reference.logprobs,
+                keep_logprobs=reference is None,
+            )
+            reference = reference or result
+            row = asdict(result)
+            row.pop("logprobs")
             rows.append(
-                {
-                    "cache": spec,
-                    "ctx": n,
-                    "delta_pct": 100 * (result.perplexity / reference - 1),
-                    **asdict(result),
-                }
+                {"cache": spec, "ctx": n, "delta_pct": 100 * (result.perplexity / reference.perplexity - 1), **row}
             )
     bar.close()
     config = {
@@ -59,7 +63,8 @@ def compare_caches(
         "ctx": list(ctx),
         "windows": windows,
         "reference": caches[0],
-        "protocol": "one forward per window through a fresh cache; attention sees the reconstruction of all tokens",
+        "protocol": "one forward per window through a fresh cache; attention sees the reconstruction of all tokens; "
+        "KL divergence and top-1 agreement against the first cache's next-token distributions",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
@@ -68,14 +73,17 @@ def compare_caches(
 
 
 def markdown_table(result: dict) -> str:
-    """The rows as a Markdown table."""
+    """The rows as a Markdown table (KL divergence and top-1 agreement against the reference cache)."""
+    ref = result["config"]["reference"]
     lines = [
-        "| cache | ctx | perplexity | Δ vs " + result["config"]["reference"] + " | bits/element | seconds |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| cache | ctx | perplexity | Δ vs {ref} | KL div. vs {ref} | top-1 agree | bits/element | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
+        kl = "—" if row["kl_divergence"] is None else f"{row['kl_divergence']:.5f}"
+        top1 = "—" if row["top1_agreement"] is None else f"{100 * row['top1_agreement']:.2f} %"
         lines.append(
-            f"| {row['cache']} | {row['ctx']} | {row['perplexity']:.4f} | {row['delta_pct']:+.2f} % "
+            f"| {row['cache']} | {row['ctx']} | {row['perplexity']:.4f} | {row['delta_pct']:+.2f} % | {kl} | {top1} "
             f"| {row['bits_per_element']:.3f} | {row['seconds']:.1f} |"
         )
     return "\n".join(lines)

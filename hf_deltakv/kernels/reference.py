@@ -1,0 +1,32 @@
+"""PyTorch reference implementations: the specification of every op a kernel may replace.
+
+Each function here is what a Triton kernel of the same name must compute (tests compare the two on odd shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import dequantize, quantize
+
+__all__ = ["dequantize", "quantize", "segmented_prefix_sum"]
+
+
+def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
+    """Running sum of `values` along `dim` that restarts wherever `resets` is True.
+
+    Args:
+        values: fp32 tensor.
+        resets: bool tensor broadcastable to `values`; position 0 along `dim` is always a restart.
+
+    Returns:
+        `out[i] = values[r] + ... + values[i]` with `r` the last restart at or before `i`.
+    """
+    resets = resets.expand_as(values).clone()
+    resets.narrow(dim, 0, 1).fill_(True)
+    shape = [1] * values.dim()
+    shape[dim] = values.shape[dim]
+    offsets = torch.arange(values.shape[dim], device=values.device).view(shape)
+    last_reset = torch.where(resets, offsets, torch.zeros_like(offsets)).cummax(dim=dim).values
+    total = values.cumsum(dim=dim)
+    return total - (total.gather(dim, last_reset) - values.gather(dim, last_reset))
