@@ -4,7 +4,7 @@
 >>> cache = DeltaKVCache(kf=32)                      # doctest: +SKIP
 >>> model.generate(**inputs, cache=cache)           # doctest: +SKIP
 >>> cache.bits_per_element()                        # doctest: +SKIP
-4.6
+4.9
 """
 
 from __future__ import annotations
