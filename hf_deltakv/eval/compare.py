@@ -55,7 +55,7 @@ def compare_caches(
             )
     bar.close()
     config = {
-        "model": getattr(model, "name_or_path", None) or type(model).__name__,
+        "model": Path(getattr(model, "name_or_path", "") or type(model).__name__).name,
         "model_dtype": str(next(model.parameters()).dtype),
         "text": text,
         "tokens_in_text": int(ids.numel()),
