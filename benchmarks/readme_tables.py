@@ -1,6 +1,6 @@
 """Render the README's result tables from the committed JSON in benchmarks/results/ (no model run).
 
-    python benchmarks/readme_tables.py
+python benchmarks/readme_tables.py
 """
 
 from __future__ import annotations
