@@ -195,7 +195,9 @@ class DeltaCodec(StreamCodec):
             anchor[:, :, first_group:] = recon[:, :, first_group:, 0]
             self.keyframes = append_along_seq(self.keyframes, key)
         coded: list[QuantizedTensor] = []
-        for offset in range(1, kf):
+        # Within a single group only the offsets of the new tokens need coding (one step per decoded token).
+        offsets = range(max(start, 1), start + new) if groups == 1 else range(1, kf)
+        for offset in offsets:
             base = recon[:, :, :, offset - 1] if self.reference == "previous" else anchor
             if start and offset == start and self.reference == "previous":
                 # The first group continues a group begun in an earlier call: its reference is the last token.
@@ -204,10 +206,11 @@ class DeltaCodec(StreamCodec):
             coded.append(q)
 
         if coded:
-            # Gather the delta tokens of this chunk in sequence order: slot (group, offset) for offset >= 1.
+            # Gather the delta tokens of this chunk in sequence order: slot (group, offset) for the coded offsets.
             stacked = QuantizedTensor.cat([c.map(lambda t: t.unsqueeze(3)) for c in coded], dim=3)
             flat = stacked.map(lambda t: t.flatten(2, 3))
-            position = _delta_positions(groups * (kf - 1), kf, x.device)
+            offset_index = torch.tensor(list(offsets), device=x.device)
+            position = (torch.arange(groups, device=x.device)[:, None] * kf + offset_index).flatten()
             keep = torch.nonzero((position >= start) & (position < start + new)).squeeze(1)
             self.deltas = append_along_seq(self.deltas, flat.map(lambda t: t.index_select(2, keep)))
 
