@@ -47,17 +47,12 @@ def rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 class RotatedCodec(StreamCodec):
     """Wraps a codec so that it codes Hadamard-rotated head vectors and decodes back to the original basis."""
 
-    def __init__(self, inner: StreamCodec) -> None:
-        super().__init__()
+    def __init__(self, inner: StreamCodec) -> None:  # no super().__init__(): the inner codec keeps the length
         self.inner = inner
 
     @property
     def length(self) -> int:
         return self.inner.length
-
-    @length.setter
-    def length(self, value: int) -> None:
-        pass  # the inner codec counts
 
     def state_names(self) -> tuple[str, ...]:
         return ()
