@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from core_formats import DELTA_VARIANTS
+
 from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
 
@@ -22,15 +24,7 @@ VARIANTS = (
     "fp16",
     "q4_0",
     "kivi-pre-rope",
-    "delta",
-    "delta:delta_format=q4_0",
-    "delta:delta_format=q4_0,values=q4_0_16",
-    "delta:mean_reference=false",
-    "delta:intra=false",
-    "delta:pre_rope=false",
-    "delta:rotate=false",
-    "delta:sink_tokens=0",
-    "delta:reference=keyframe",
+    *DELTA_VARIANTS,
     "delta:kf=64",
     # keys alone (values in fp16), then values alone (keys in fp16)
     "delta:values=f16",

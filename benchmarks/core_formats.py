@@ -20,14 +20,8 @@ from hf_deltakv.models import load_model
 HERE = Path(__file__).resolve().parent
 DEFAULT_TEXT = HERE.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
-FORMATS = (
-    "fp16",
-    "q8_0",
-    "q4_0",
-    "q4_1",
-    "q4_0-rot",
-    "kivi",
-    "kivi-pre-rope",
+# One change from the DeltaKVCache default per row (shared with ablation_kld.py).
+DELTA_VARIANTS = (
     "delta",
     "delta:delta_format=q4_0",
     "delta:delta_format=q4_0,values=q4_0_16",
@@ -37,6 +31,16 @@ FORMATS = (
     "delta:rotate=false",
     "delta:sink_tokens=0",
     "delta:reference=keyframe",
+)
+FORMATS = (
+    "fp16",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q4_0-rot",
+    "kivi",
+    "kivi-pre-rope",
+    *DELTA_VARIANTS,
     "delta:values=delta",
     "delta:values=q4_1",
     "delta:kf=64",
