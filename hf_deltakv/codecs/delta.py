@@ -132,11 +132,9 @@ class DeltaCodec(StreamCodec):
         """Record the mean snapshots due within this chunk (each from the tokens before its point)."""
         start, end = self.length, self.length + x.shape[2]
         before = self.running_sum if self.running_sum is not None else torch.zeros_like(x[:, :, :1])
-        have = snapshots_at_or_before(torch.tensor(start)).item()
-        due = snapshots_at_or_before(torch.tensor(end)).item()
-        if due > have:
-            counts = snapshots_at_or_before(torch.arange(start, end + 1))
-            points = (torch.nonzero(counts[1:] > counts[:-1]).squeeze(1) + start + 1).tolist()
+        counts = snapshots_at_or_before(torch.arange(start, end + 1))
+        points = (torch.nonzero(counts[1:] > counts[:-1]).squeeze(1) + start + 1).tolist()
+        if points:
             sums = before + x.cumsum(dim=2)  # sums[:, :, i] = sum of tokens < start + i + 1
             snaps = torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2).to(torch.float16)
             self.means = append_along_seq(self.means, snaps)
@@ -179,10 +177,8 @@ class DeltaCodec(StreamCodec):
         slots = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=x.device)
         slots[:, :, start : start + new] = x
         slots = slots.view(batch, heads, groups, kf, dim)
-        long_term = torch.zeros_like(slots)
-        if self.mean_reference:
-            positions = torch.arange(self.length - start, self.length - start + groups * kf, device=x.device)
-            long_term = self._means_at(positions, x).view(batch, heads, groups, kf, dim)
+        positions = torch.arange(self.length - start, self.length - start + groups * kf, device=x.device)
+        long_term = self._means_at(positions, x).view(batch, heads, groups, kf, dim)  # zeros without means
         recon = torch.zeros_like(slots)
         anchor = torch.zeros_like(slots[:, :, :, 0])
         if start and self.reference == "keyframe":

@@ -31,6 +31,8 @@ def compare_caches(
     Returns:
         a JSON-ready dict: `config` (everything needed to rerun) and `rows`.
     """
+    for spec in caches:
+        build_cache(spec, model)  # fail on a bad spec before spending any time
     ids = tokenizer(load_text(text), return_tensors="pt").input_ids[0]
     rows = []
     bar = _progress_bar(len(caches) * len(ctx) * windows, progress)
@@ -38,7 +40,6 @@ def compare_caches(
         wins = token_windows(ids, n, windows)
         reference = None
         for spec in caches:
-            build_cache(spec, model)  # fail on a bad spec before spending time
             result = perplexity(
                 model,
                 wins,
