@@ -16,7 +16,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .eval.compare import DEFAULT_CACHES
     from .eval.texts import BUILTIN_TEXTS
 
     parser = argparse.ArgumentParser(prog="hf-deltakv", description=__doc__)
@@ -28,11 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--windows", type=int, default=4, help="windows of ctx tokens per measurement (default 4)")
     ppl.add_argument(
         "--caches",
-        default=",".join(DEFAULT_CACHES),
+        default=None,
         help=f"cache specs separated by ';' or ',' (first one is the reference); names: {sorted(CACHES)}; "
-        "parameters after ':' e.g. 'delta:kf=64'",
+        "parameters after ':' e.g. 'delta:kf=64' (default: ours, llama.cpp's formats, and transformers' "
+        "QuantizedCache with quanto and HQQ where installed)",
     )
-    ppl.add_argument("--json", default=None, help="write the full result and config here")
+    ppl.add_argument(
+        "--protocols",
+        default="one-forward,chunked",
+        help="one-forward (each window in one pass) and/or chunked (half the window prefilled, the rest fed "
+        "--chunk tokens at a time so scored tokens attend to stored history); default both",
+    )
+    ppl.add_argument("--chunk", type=int, default=16, help="tokens per step of the chunked protocol (default 16)")
+    ppl.add_argument("--out", default="hf-deltakv-out", help="folder for ppl.json and the PNG plots")
+    ppl.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
     ppl.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -51,20 +59,54 @@ def split_specs(text: str) -> tuple[str, ...]:
     return tuple(specs)
 
 
+def default_caches() -> tuple[str, ...]:
+    """Our default comparison plus transformers' QuantizedCache anchors whose backend is installed."""
+    from .eval.compare import DEFAULT_CACHES
+
+    anchors = []
+    for name in ("hf-quanto", "hf-hqq"):
+        if CACHES[name].available():
+            anchors.append(name)
+        else:
+            print(
+                f"note: {name} skipped ({CACHES[name].requires} not installed: pip install 'hf-deltakv[anchors]')",
+                file=sys.stderr,
+            )
+    return (*DEFAULT_CACHES, *anchors)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "ppl":
-        from .eval.compare import compare_caches, markdown_table, write_json
-        from .models import load_model
+        return run_ppl(args)
+    return 0
 
-        model, tokenizer = load_model(args.model)
-        result = compare_caches(
-            model, tokenizer, args.text, split_specs(args.caches), args.ctx, args.windows, not args.no_progress
-        )
-        print(markdown_table(result))
-        if args.json:
-            write_json(result, args.json)
-            print(f"wrote {args.json}", file=sys.stderr)
+
+def run_ppl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .eval.compare import compare_caches, markdown_table, write_json
+    from .models import load_model
+
+    caches = split_specs(args.caches) if args.caches else default_caches()
+    protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+    model, tokenizer = load_model(args.model)
+    result = compare_caches(
+        model, tokenizer, args.text, caches, args.ctx, args.windows, not args.no_progress, protocols, args.chunk
+    )
+    print(markdown_table(result))
+    out = Path(args.out)
+    write_json(result, out / "ppl.json")
+    written = [out / "ppl.json"]
+    if not args.no_plots:
+        from .eval.plots import plot_delta_vs_bits, plot_delta_vs_ctx
+
+        try:
+            written.append(plot_delta_vs_bits(result, out / "delta_vs_bits.png"))
+            written.append(plot_delta_vs_ctx(result, out / "delta_vs_ctx.png"))
+        except ImportError as err:
+            print(f"note: {err}", file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 
 

@@ -5,7 +5,10 @@ A spec is a name with optional parameters, e.g. `delta`, `delta:kf=64`, `q4_0`, 
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
@@ -13,14 +16,35 @@ from transformers.cache_utils import Cache, DynamicCache
 from .cache import DeltaKVCache, KIVIKVCache, QuantizedKVCache
 
 
+def hf_quantized_cache(backend: str, model: nn.Module | None = None, nbits: int = 4, **kwargs) -> Cache:
+    """transformers' own `QuantizedCache` (KIVI-like, `residual_length` recent tokens kept in full precision),
+    as an anchor measured under the same protocols as ours."""
+    from transformers import QuantizedCache
+
+    if model is None:
+        raise ValueError(f"hf-{backend} needs the model (its config sizes the cache)")
+    return QuantizedCache(backend, model.config, nbits=nbits, **kwargs)
+
+
 @dataclass(frozen=True)
 class CacheEntry:
-    """A named cache: its class, the defaults of the name, and whether it is handed the model."""
+    """A named cache: how to build it, the defaults of the name, whether it is handed the model, and the module
+    it needs beyond our own dependencies (an optional extra)."""
 
     description: str
-    cls: type[Cache]
+    cls: Callable[..., Cache]
     defaults: dict = field(default_factory=dict)
     takes_model: bool = False
+    requires: str | None = None
+
+    def available(self) -> bool:
+        """False when the optional package this cache needs is not installed."""
+        if self.requires is None:
+            return True
+        try:
+            return importlib.util.find_spec(self.requires) is not None
+        except ModuleNotFoundError:
+            return False
 
 
 CACHES: dict[str, CacheEntry] = {
@@ -39,6 +63,18 @@ CACHES: dict[str, CacheEntry] = {
         "KIVI-style with keys quantized before RoPE", KIVIKVCache, {"pre_rope": True}, takes_model=True
     ),
     "delta": CacheEntry("DeltaKVCache (defaults; keys coded before RoPE)", DeltaKVCache, takes_model=True),
+    "hf-quanto": CacheEntry(
+        "transformers QuantizedCache, optimum-quanto backend, 4 bits, 128 recent tokens in full precision",
+        partial(hf_quantized_cache, "quanto"),
+        takes_model=True,
+        requires="optimum.quanto",
+    ),
+    "hf-hqq": CacheEntry(
+        "transformers QuantizedCache, HQQ backend, 4 bits, 128 recent tokens in full precision",
+        partial(hf_quantized_cache, "hqq"),
+        takes_model=True,
+        requires="hqq",
+    ),
 }
 
 
@@ -72,6 +108,8 @@ def build_cache(spec: str, model: nn.Module | None = None) -> Cache:
     """A fresh cache for `spec` (see module docstring), for `model`."""
     name, params = parse_spec(spec)
     entry = CACHES[name]
+    if not entry.available():
+        raise ImportError(f"cache {name!r} needs the {entry.requires!r} package: pip install 'hf-deltakv[anchors]'")
     kwargs = {**entry.defaults, **params}
     if entry.takes_model:
         kwargs.setdefault("model", model)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..registry import build_cache
-from .perplexity import perplexity, token_windows
+from .perplexity import PROTOCOLS, perplexity, token_windows
 from .texts import load_text
 
 DEFAULT_CACHES = ("fp16", "q8_0", "q4_0", "q4_1", "q4_0-rot", "kivi", "kivi-pre-rope", "delta")
@@ -25,35 +25,45 @@ def compare_caches(
     ctx: tuple[int, ...] = (1024,),
     windows: int = 4,
     progress: bool = True,
+    protocols: tuple[str, ...] = ("one-forward",),
+    chunk: int = 16,
 ) -> dict:
-    """Perplexity of every cache spec at every context length; Δ is relative to the first cache.
+    """Perplexity of every cache spec at every context length under every protocol; Δ is relative to the first cache.
+
+    Protocols (see `perplexity`): `one-forward` scores each window in one pass; `chunked` prefills half the window
+    and feeds the rest `chunk` tokens at a time, so that scored tokens attend to the stored history.
 
     Returns:
         a JSON-ready dict: `config` (everything needed to rerun) and `rows`.
     """
     for spec in caches:
         build_cache(spec, model)  # fail on a bad spec before spending any time
+    for protocol in protocols:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {protocol!r}; allowed: {PROTOCOLS}")
     ids = tokenizer(load_text(text), return_tensors="pt").input_ids[0]
     rows = []
-    bar = _progress_bar(len(caches) * len(ctx) * windows, progress)
-    for n in ctx:
-        wins = token_windows(ids, n, windows)
-        reference = None
-        for spec in caches:
-            result = perplexity(
-                model,
-                wins,
-                lambda spec=spec: build_cache(spec, model),
-                lambda i: bar.update(1),
-                reference=None if reference is None else reference.logprobs,
-                keep_logprobs=reference is None,
-            )
-            reference = reference or result
-            row = asdict(result)
-            row.pop("logprobs")
-            rows.append(
-                {"cache": spec, "ctx": n, "delta_pct": 100 * (result.perplexity / reference.perplexity - 1), **row}
-            )
+    bar = _progress_bar(len(protocols) * len(caches) * len(ctx) * windows, progress)
+    for protocol in protocols:
+        for n in ctx:
+            wins = token_windows(ids, n, windows)
+            reference = None
+            for spec in caches:
+                result = perplexity(
+                    model,
+                    wins,
+                    lambda spec=spec: build_cache(spec, model),
+                    lambda i: bar.update(1),
+                    reference=None if reference is None else reference.logprobs,
+                    keep_logprobs=reference is None,
+                    protocol=protocol,
+                    chunk=chunk,
+                )
+                reference = reference or result
+                row = asdict(result)
+                row.pop("logprobs")
+                delta = 100 * (result.perplexity / reference.perplexity - 1)
+                rows.append({"cache": spec, "ctx": n, "delta_pct": delta, **row})
     bar.close()
     config = {
         "model": Path(getattr(model, "name_or_path", "") or type(model).__name__).name,
@@ -64,8 +74,12 @@ def compare_caches(
         "ctx": list(ctx),
         "windows": windows,
         "reference": caches[0],
-        "protocol": "one forward per window through a fresh cache; attention sees the reconstruction of all tokens; "
-        "KL divergence and top-1 agreement against the first cache's next-token distributions",
+        "protocols": list(protocols),
+        "chunk": chunk,
+        "protocol": "one-forward: one pass per window through a fresh cache, every prediction scored; chunked: the "
+        f"first half of the window prefilled, the second half fed {chunk} tokens at a time (teacher-forced) and "
+        "scored, bits/element averaged over the chunk steps; KL divergence and top-1 agreement against the first "
+        "cache's next-token distributions under the same protocol",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
@@ -77,15 +91,16 @@ def markdown_table(result: dict) -> str:
     """The rows as a Markdown table (KL divergence and top-1 agreement against the reference cache)."""
     ref = result["config"]["reference"]
     lines = [
-        f"| cache | ctx | perplexity | Δ vs {ref} | KL div. vs {ref} | top-1 agree | bits/element | seconds |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| cache | protocol | ctx | perplexity | Δ vs {ref} | KL div. vs {ref} | top-1 agree | bits/element "
+        "| seconds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         kl = "—" if row["kl_divergence"] is None else f"{row['kl_divergence']:.5f}"
         top1 = "—" if row["top1_agreement"] is None else f"{100 * row['top1_agreement']:.2f} %"
         lines.append(
-            f"| {row['cache']} | {row['ctx']} | {row['perplexity']:.4f} | {row['delta_pct']:+.2f} % | {kl} | {top1} "
-            f"| {row['bits_per_element']:.3f} | {row['seconds']:.1f} |"
+            f"| {row['cache']} | {row.get('protocol', 'one-forward')} | {row['ctx']} | {row['perplexity']:.4f} "
+            f"| {row['delta_pct']:+.2f} % | {kl} | {top1} | {row['bits_per_element']:.3f} | {row['seconds']:.1f} |"
         )
     return "\n".join(lines)
 
