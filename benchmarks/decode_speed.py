@@ -1,63 +1,120 @@
-"""Decode speed on the CPU: tokens/s after a prompt, per cache, measured in one run (ratios only are meaningful).
+"""Decode speed and memory on the CPU: tokens/s and peak memory after a prompt, per cache and context length.
 
-python benchmarks/decode_speed.py --ctx 1024 --new 32
+Each (cache, context) runs in its own process: prefill the prompt, reset the process's peak-RSS mark
+(/proc/self/clear_refs), then decode `--new` tokens greedily one at a time. Reported: decode tokens/s, the peak RSS
+during decoding above the RSS before it (cache growth plus transient buffers such as a dequantized history), and
+the cache's bytes at the end (our caches count their own; for transformers' caches every tensor they hold is
+counted, the full-precision window included). All rows come from one invocation, so ratios are comparable; the
+absolute numbers depend on the machine.
+
+    python benchmarks/decode_speed.py                       # 1K and 4K context, ~10 min on 2 cores
+    python benchmarks/decode_speed.py --ctx 1024,4096,8192 --caches dynamic,delta
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hf_deltakv.eval.texts import load_text
-from hf_deltakv.models import load_model
-from hf_deltakv.registry import build_cache
-
 HERE = Path(__file__).resolve().parent
-CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta")
+CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta", "hf-hqq")
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 @torch.no_grad()
-def decode_rate(model, ids: torch.Tensor, spec: str, new: int) -> tuple[float, float]:
-    """(prefill seconds, decode tokens/s): the prefill-only run is subtracted from a run generating `new` more."""
+def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
+    """Prefill `ctx` tokens of `text` through a fresh `spec` cache, then decode `new` tokens; one process each."""
+    from hf_deltakv.eval.perplexity import cache_bits, kv_elements
+    from hf_deltakv.eval.texts import load_text
+    from hf_deltakv.models import load_model
+    from hf_deltakv.registry import build_cache
+
+    model, tokenizer = load_model()
+    ids = tokenizer(load_text(text), return_tensors="pt").input_ids[:, :ctx]
+    if ids.shape[1] < ctx:
+        raise ValueError(f"{text} has only {ids.shape[1]} tokens, {ctx} asked")
+    cache = build_cache(spec, model)
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, do_sample=False, cache=build_cache(spec, model))
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     prefill = time.perf_counter() - start
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = _rss_kib("VmRSS")
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=new + 1, min_new_tokens=new + 1, do_sample=False, cache=build_cache(spec, model))
-    return prefill, new / (time.perf_counter() - start - prefill)
+    for _ in range(new):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        logits = model(token, cache=cache, use_cache=True).logits
+    decode = time.perf_counter() - start
+    bits, nbytes = cache_bits(cache, kv_elements(model.config, ctx + new))
+    return {
+        "cache": spec,
+        "ctx": ctx,
+        "new": new,
+        "prefill_s": prefill,
+        "decode_tokens_per_s": new / decode,
+        "decode_peak_rss_mib": (_rss_kib("VmHWM") - before) / 1024,
+        "cache_mib": nbytes / 2**20,
+        "bits_per_element": bits,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ctx", type=int, default=1024)
-    parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--text", default="python-docs")
+    parser.add_argument("--ctx", default="1024,4096", help="prompt lengths, comma-separated")
+    parser.add_argument("--new", type=int, default=32, help="tokens decoded after the prompt")
+    parser.add_argument("--caches", default=",".join(CACHES))
+    parser.add_argument("--text", default="stdlib-code", help="built-in text or file (needs >= ctx tokens)")
     parser.add_argument("--out", default=str(HERE / "results" / "decode_speed.json"))
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one cache
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_model()
-    ids = tokenizer(load_text(args.text), return_tensors="pt").input_ids[:, : args.ctx]
+    if args.one:
+        print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.text)))
+        return 0
     rows = []
-    for spec in CACHES:
-        prefill, rate = decode_rate(model, ids, spec, args.new)
-        rows.append({"cache": spec, "prefill_s": prefill, "decode_tokens_per_s": rate})
-    base = rows[0]["decode_tokens_per_s"]
-    print(f"| cache | prefill of {args.ctx} (s) | decode tokens/s | vs dynamic |")
-    print("|---|---:|---:|---:|")
-    for row in rows:
-        row["vs_dynamic"] = row["decode_tokens_per_s"] / base
-        print(
-            f"| {row['cache']} | {row['prefill_s']:.2f} | {row['decode_tokens_per_s']:.1f} | {row['vs_dynamic']:.2f}x |"
-        )
-    config = {"ctx": args.ctx, "new": args.new, "text": args.text, "threads": torch.get_num_threads()}
+    for ctx in (int(c) for c in args.ctx.split(",")):
+        for spec in args.caches.split(","):
+            cmd = [sys.executable, __file__, "--one", spec, "--ctx", str(ctx), "--new", str(args.new)]
+            done = subprocess.run([*cmd, "--text", args.text], capture_output=True, text=True, env=os.environ)
+            if done.returncode:
+                raise RuntimeError(f"{spec} at {ctx} failed:\n{done.stderr[-2000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  {spec} @ {ctx}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    print(markdown(rows))
+    config = {"ctx": args.ctx, "new": args.new, "text": args.text, "caches": args.caches, "date": time.strftime("%F")}
     Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table; speed and memory ratios are against `dynamic` at the same context."""
+    base = {r["ctx"]: r for r in rows if r["cache"] == "dynamic"}
+    lines = [
+        "| cache | ctx | decode tokens/s | vs dynamic | peak RSS growth while decoding (MiB) | cache (MiB) | bits/element |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ref = base.get(r["ctx"])
+        ratio = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x" if ref else "—"
+        lines.append(
+            f"| {r['cache']} | {r['ctx']} | {r['decode_tokens_per_s']:.1f} | {ratio} | {r['decode_peak_rss_mib']:.1f} "
+            f"| {r['cache_mib']:.2f} | {r['bits_per_element']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_dtypes(dtype):
     cache = DeltaKVCache(kf=4, model=model)
     out = greedy(model, prompt(), cache)
     assert out.shape == (1, 15)
-    keys, _ = cache.layers[0]._reconstruct()
+    keys, _ = cache.layers[0].reconstruct()
     assert keys.dtype == dtype
 
 
@@ -142,7 +142,7 @@ def test_chunked_prefill_equals_one_shot_for_closed_loop_codec():
             out = model(ids[:, start : start + 7], cache=chunked, use_cache=True).logits[:, -1]
     # Only the attention inputs differ (the chunk attends to the reconstruction, as does the one-shot forward).
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(whole.layers[1]._reconstruct()[0], chunked.layers[1]._reconstruct()[0])
+    torch.testing.assert_close(whole.layers[1].reconstruct()[0], chunked.layers[1].reconstruct()[0])
 
 
 def test_cache_keyword_and_past_key_values_agree():

@@ -1,12 +1,30 @@
 """One dispatch point for compute kernels.
 
-Every op currently runs its PyTorch reference (`reference.py`), on any device. Triton kernels for CUDA and ROCm
-devices are to be registered here, behind the same signatures, so that callers never change.
+`use_triton(device)` decides: Triton on CUDA (NVIDIA, and AMD through ROCm builds of PyTorch, which also report
+`cuda` devices) when Triton is installed, the PyTorch reference (`reference.py`) everywhere else.
+`HF_DELTAKV_KERNELS=reference` forces the reference on every device. Triton ops live one per file and are tested
+against their reference under `TRITON_INTERPRET=1` on the CPU.
 """
 
 from __future__ import annotations
 
-from . import reference
-from .reference import segmented_prefix_sum
+import importlib.util
+import os
 
-__all__ = ["reference", "segmented_prefix_sum"]
+import torch
+
+from . import reference
+from .reference import segmented_prefix_sum, skip_matvec
+
+__all__ = ["reference", "segmented_prefix_sum", "skip_matvec", "triton_available", "use_triton"]
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether ops on `device` run as Triton kernels (see module docstring)."""
+    if os.environ.get("HF_DELTAKV_KERNELS", "").lower() == "reference":
+        return False
+    return torch.device(device).type == "cuda" and triton_available()

@@ -9,7 +9,7 @@ import torch
 
 from ..quant import dequantize, quantize
 
-__all__ = ["dequantize", "quantize", "segmented_prefix_sum"]
+__all__ = ["dequantize", "quantize", "segmented_prefix_sum", "skip_matvec"]
 
 
 def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
@@ -30,3 +30,19 @@ def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -
     last_reset = torch.where(resets, offsets, torch.zeros_like(offsets)).cummax(dim=dim).values
     total = values.cumsum(dim=dim)
     return total - (total.gather(dim, last_reset) - values.gather(dim, last_reset))
+
+
+def skip_matvec(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """`x @ weight.T + bias` with the input blocks where `keep` [blocks] is False left out.
+
+    Args:
+        x: [batch, in] activations.
+        weight: [out, in] (any strides).
+        bias: [out] or None.
+        keep: bool [ceil(in / block_size)]: which blocks of `block_size` input features to compute.
+    """
+    columns = keep.repeat_interleave(block_size)[: weight.shape[1]]
+    out = x[:, columns].to(weight.dtype) @ weight[:, columns].T
+    return out if bias is None else out + bias

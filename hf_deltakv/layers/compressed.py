@@ -115,12 +115,13 @@ class CompressedLayer(CacheLayerMixin):
             self.key_codec.append(keys)
             self.value_codec.append(value_states[:, :, sink_new:].float())
         self.cumulative_length += new
-        return self._reconstruct()
+        return self.reconstruct()
 
     def _cos_sin(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.cos_sin(self.positions.ids[:, begin:end], self.head_dim)
 
-    def _reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (with RoPE, as attention reads them) and values of every cached token, as the cache stores them."""
         keys_parts, value_parts = [], []
         if self.sink_keys is not None:
             keys_parts.append(self.sink_keys.to(self.dtype))

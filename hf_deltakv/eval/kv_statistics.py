@@ -1,0 +1,57 @@
+"""What the codec sees: per-layer statistics of a model's pre-RoPE keys and values on a text.
+
+Used by `benchmarks/key_statistics.py` and the codec notebook: how much of a vector a previous-token delta or the
+running mean leaves to code, and how correlated neighbouring tokens are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ..codecs.rotation import rotate
+from ..rope import RopeInverter, find_rotary_embedding
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """RMS of the vectors, around their per-channel mean, of the previous-token delta; mean lag-1 autocorrelation."""
+
+    rms: float
+    rms_around_mean: float
+    rms_of_delta: float
+    lag1_autocorrelation: float
+
+
+def stream_stats(x: torch.Tensor) -> StreamStats:
+    """Statistics of `x` [batch, heads, tokens, head_dim] along its tokens."""
+    centered = x - x.mean(dim=2, keepdim=True)
+    delta = x[:, :, 1:] - x[:, :, :-1]
+    lag1 = (centered[:, :, 1:] * centered[:, :, :-1]).sum(2) / centered[:, :, :-1].pow(2).sum(2).clamp_min(1e-12)
+    return StreamStats(_rms(x), _rms(centered), _rms(delta), lag1.mean().item())
+
+
+def _rms(t: torch.Tensor) -> float:
+    return t.pow(2).mean().sqrt().item()
+
+
+@torch.no_grad()
+def kv_streams(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (pre-RoPE keys, values) of `ids` [1, tokens], in fp32: what the codec is handed."""
+    cache = DynamicCache()
+    model(ids, cache=cache, use_cache=True)
+    rope = RopeInverter(find_rotary_embedding(model))
+    head_dim = cache.layers[0].keys.shape[-1]
+    cos, sin = rope.cos_sin(torch.arange(ids.shape[1]).unsqueeze(0), head_dim)
+    return [(rope.undo(layer.keys.float(), cos, sin), layer.values.float()) for layer in cache.layers]
+
+
+def layer_statistics(model: torch.nn.Module, ids: torch.Tensor, sinks: int = 4) -> list[dict[str, StreamStats]]:
+    """Per layer, `{"keys": ..., "values": ...}` statistics after the codec's Hadamard rotation, leaving out the
+    first `sinks` tokens (the cache keeps them raw)."""
+    return [
+        {"keys": stream_stats(rotate(k[:, :, sinks:])), "values": stream_stats(rotate(v[:, :, sinks:]))}
+        for k, v in kv_streams(model, ids)
+    ]
