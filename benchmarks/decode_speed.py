@@ -104,7 +104,7 @@ def markdown(rows: list[dict]) -> str:
     """One table; speed and memory ratios are against `dynamic` at the same context."""
     base = {r["ctx"]: r for r in rows if r["cache"] == "dynamic"}
     lines = [
-        "| cache | ctx | decode tokens/s | vs dynamic | peak RSS growth while decoding (MiB) | cache (MiB) | bits/element |",
+        "| cache | ctx | decode tokens/s | vs dynamic | peak RSS growth decoding (MiB) | cache (MiB) | bits/element |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

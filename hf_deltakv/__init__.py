@@ -1,6 +1,7 @@
 """hf_deltakv: compressed KV caches for HuggingFace transformers, with real packed storage."""
 
 from .cache import CompressedKVCache, DeltaKVCache, KIVIKVCache, QuantizedKVCache
+from .weight_skip import enable_weight_skip
 
-__all__ = ["CompressedKVCache", "DeltaKVCache", "KIVIKVCache", "QuantizedKVCache"]
+__all__ = ["CompressedKVCache", "DeltaKVCache", "KIVIKVCache", "QuantizedKVCache", "enable_weight_skip"]
 __version__ = "0.1.0"

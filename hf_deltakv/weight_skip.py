@@ -101,7 +101,7 @@ class _SkippingLinear:
     def _matvec(self, flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         if self.use_triton:
-            from .kernels.weight_skip import skip_matvec
+            from .kernels.triton.skip_matvec import skip_matvec
 
             return skip_matvec(flat, weight, bias, keep, self.block_size)
         rows = torch.arange(self.in_features, device=flat.device)

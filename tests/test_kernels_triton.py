@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="needs the triton extra")
     [(1, 7, 45, 16, True), (3, 65, 96, 32, False), (2, 130, 33, 8, True)],
 )
 def test_skip_matvec_matches_reference(batch, n_out, n_in, block_size, bias):
-    from hf_deltakv.kernels.weight_skip import skip_matvec
+    from hf_deltakv.kernels.triton.skip_matvec import skip_matvec
 
     torch.manual_seed(n_in)
     x = torch.randn(batch, n_in, dtype=torch.bfloat16).float()
@@ -33,14 +33,14 @@ def test_skip_matvec_matches_reference(batch, n_out, n_in, block_size, bias):
 
 
 def test_skip_matvec_with_nothing_kept_is_the_bias():
-    from hf_deltakv.kernels.weight_skip import skip_matvec
+    from hf_deltakv.kernels.triton.skip_matvec import skip_matvec
 
     x, weight, b = torch.randn(1, 20), torch.randn(5, 20), torch.randn(5)
     torch.testing.assert_close(skip_matvec(x, weight, b, torch.zeros(2, dtype=torch.bool), 16), b[None])
 
 
 def test_non_power_of_two_blocks_are_refused_by_the_kernel():
-    from hf_deltakv.kernels.weight_skip import skip_matvec
+    from hf_deltakv.kernels.triton.skip_matvec import skip_matvec
 
     with pytest.raises(ValueError, match="power-of-two"):
         skip_matvec(torch.randn(1, 12), torch.randn(3, 12), None, torch.ones(2, dtype=torch.bool), 6)
