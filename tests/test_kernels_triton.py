@@ -44,3 +44,34 @@ def test_non_power_of_two_blocks_are_refused_by_the_kernel():
 
     with pytest.raises(ValueError, match="power-of-two"):
         skip_matvec(torch.randn(1, 12), torch.randn(3, 12), None, torch.ones(2, dtype=torch.bool), 6)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"])
+@pytest.mark.parametrize("shape", [(3, 5, 40), (1, 64), (2, 1, 3, 7)])
+def test_quantize_is_byte_identical_and_dequantize_matches(fmt, shape):
+    from hf_deltakv.kernels.triton import quantize as kernel
+    from hf_deltakv.quant import dequantize, quantize
+
+    torch.manual_seed(sum(shape))
+    x = (torch.randn(shape, dtype=torch.bfloat16) * 3).float()
+    x[..., 0] = 0.0  # exact zeros and ties of magnitude are part of the spec
+    expected = quantize(x, fmt)
+    got = kernel.quantize(x, fmt)
+    for name in ("codes", "scales", "mins"):
+        want, have = getattr(expected, name), getattr(got, name)
+        assert (want is None) == (have is None), name
+        if want is not None:
+            assert have.shape == want.shape and have.dtype == want.dtype, name
+            assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
+    torch.testing.assert_close(kernel.dequantize(expected), dequantize(expected), atol=0, rtol=0)
+
+
+def test_quantize_kernel_marks_non_finite_blocks_nan():
+    from hf_deltakv.kernels.triton import quantize as kernel
+
+    x = torch.randn(2, 64)
+    x[0, 3] = float("inf")
+    x[1, 40] = float("nan")
+    out = kernel.dequantize(kernel.quantize(x, "q4_0"))
+    assert out[0, :32].isnan().all() and out[1, 32:].isnan().all()
+    assert out[0, 32:].isfinite().all() and out[1, :32].isfinite().all()
