@@ -75,3 +75,18 @@ def test_quantize_kernel_marks_non_finite_blocks_nan():
     out = kernel.dequantize(kernel.quantize(x, "q4_0"))
     assert out[0, :32].isnan().all() and out[1, 32:].isnan().all()
     assert out[0, 32:].isfinite().all() and out[1, :32].isfinite().all()
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((2, 3, 37, 5), 2), ((4, 9), 0), ((3, 2, 2, 17, 64), 3)])
+def test_segmented_prefix_sum_matches_reference(shape, dim):
+    from hf_deltakv.kernels.triton.prefix_sum import segmented_prefix_sum
+
+    torch.manual_seed(len(shape))
+    values = torch.randn(shape, dtype=torch.bfloat16).float()
+    resets = torch.rand(shape) < 0.2
+    expected = reference.segmented_prefix_sum(values, resets, dim)
+    torch.testing.assert_close(segmented_prefix_sum(values, resets, dim), expected, atol=1e-5, rtol=1e-5)
+    # resets broadcast along channels, as keyframe flags are
+    shared = (torch.rand(shape[: dim + 1]) < 0.3).reshape(*shape[: dim + 1], *[1] * (len(shape) - dim - 1))
+    expected = reference.segmented_prefix_sum(values, shared, dim)
+    torch.testing.assert_close(segmented_prefix_sum(values, shared, dim), expected, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ import os
 import torch
 
 from . import reference
-from .reference import segmented_prefix_sum, skip_matvec
+from .reference import skip_matvec
 
 __all__ = ["reference", "segmented_prefix_sum", "skip_matvec", "triton_available", "use_triton"]
 
@@ -28,3 +28,12 @@ def use_triton(device: torch.device | str) -> bool:
     if os.environ.get("HF_DELTAKV_KERNELS", "").lower() == "reference":
         return False
     return torch.device(device).type == "cuda" and triton_available()
+
+
+def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
+    """Dispatching `reference.segmented_prefix_sum` (delta decoding's running sum)."""
+    if use_triton(values.device):
+        from .triton.prefix_sum import segmented_prefix_sum as kernel
+
+        return kernel(values, resets, dim)
+    return reference.segmented_prefix_sum(values, resets, dim)
