@@ -90,3 +90,26 @@ def test_segmented_prefix_sum_matches_reference(shape, dim):
     shared = (torch.rand(shape[: dim + 1]) < 0.3).reshape(*shape[: dim + 1], *[1] * (len(shape) - dim - 1))
     expected = reference.segmented_prefix_sum(values, shared, dim)
     torch.testing.assert_close(segmented_prefix_sum(values, shared, dim), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "batch", "q_heads", "kv_heads", "tokens", "masked"),
+    [("q4_0", 1, 3, 1, 37, False), ("q4_1", 2, 4, 2, 50, True), ("q8_0", 1, 2, 2, 19, False)],
+)
+def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads, tokens, masked):
+    from hf_deltakv.kernels.triton.decode_attention import decode_attention
+    from hf_deltakv.quant import quantize
+
+    torch.manual_seed(tokens)
+    dim = 64
+    query = torch.randn(batch, q_heads, dim, dtype=torch.bfloat16).float()
+    keys = quantize(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float(), fmt)
+    values = quantize(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float(), fmt)
+    mask = None
+    if masked:  # left padding in the first sequence
+        mask = torch.ones(batch, tokens, dtype=torch.bool)
+        mask[0, :7] = False
+    expected = reference.decode_attention(query, keys, values, dim**-0.5, mask)
+    for splits in (1, 3):
+        got = decode_attention(query, keys, values, dim**-0.5, mask, splits=splits)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

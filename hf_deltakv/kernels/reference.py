@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import dequantize, quantize
+from ..quant import QuantizedTensor, dequantize, quantize
 
-__all__ = ["dequantize", "quantize", "segmented_prefix_sum", "skip_matvec"]
+__all__ = ["decode_attention", "dequantize", "quantize", "segmented_prefix_sum", "skip_matvec"]
 
 
 def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
@@ -46,3 +46,31 @@ def skip_matvec(
     columns = keep.repeat_interleave(block_size)[: weight.shape[1]]
     out = x[:, columns].to(weight.dtype) @ weight[:, columns].T
     return out if bias is None else out + bias
+
+
+def decode_attention(
+    query: torch.Tensor,
+    keys: QuantizedTensor,
+    values: QuantizedTensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over a block-quantized cache (GQA-aware).
+
+    Args:
+        query: [batch, q_heads, head_dim].
+        keys, values: packed `[batch, kv_heads, tokens, head_dim]` (q4_0, q4_1, q8_0 or their 16-wide variants);
+            q_heads must be a multiple of kv_heads (query head h reads kv head h // (q_heads // kv_heads)).
+        scale: softmax scale (usually head_dim ** -0.5).
+        mask: optional bool [batch, tokens], True where a token may be attended to.
+
+    Returns:
+        [batch, q_heads, head_dim] in fp32.
+    """
+    k, v = dequantize(keys), dequantize(values)
+    group = query.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhtd->bht", query.float(), k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("bht,bhtd->bhd", scores.softmax(-1), v)
