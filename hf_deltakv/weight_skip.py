@@ -13,8 +13,10 @@ plain module's up to floating-point summation order.
 
 Where the weights are not read: on the CPU, each selected weight is re-laid out input-major (the parameter becomes a
 transposed view of that storage, so every other use of it is unchanged and no memory is added) and a decode step
-gathers only the kept input rows (`embedding_bag` with the activations as per-sample weights). On CUDA/ROCm a
-Triton kernel loops over the kept blocks only. Inputs that are not decode-shaped (more than one new token per
+that skips enough blocks gathers only the kept input rows (`embedding_bag` with the activations as per-sample
+weights); one that skips few reads all rows in one product, which is faster (`GATHER_BELOW`). `stats()` counts
+both the blocks skipped and the blocks whose weights were read. On CUDA/ROCm a Triton kernel loops over the kept
+blocks only. Inputs that are not decode-shaped (more than one new token per
 sequence) take the module's normal path.
 """
 
@@ -34,11 +36,14 @@ __all__ = ["SkipStats", "WeightSkipHandle", "enable_weight_skip", "keep_mask"]
 
 @dataclass
 class SkipStats:
-    """Counts for one module: decode calls seen, input blocks seen and skipped (summed over calls)."""
+    """Counts for one module, summed over decode calls: input blocks seen, skipped (left out of the product) and
+    read (whose weights were loaded; on the CPU a product that skips only a few blocks reads them all, see
+    `GATHER_BELOW`)."""
 
     calls: int = 0
     blocks_seen: int = 0
     blocks_skipped: int = 0
+    blocks_read: int = 0
 
     @property
     def skipped_fraction(self) -> float:
@@ -62,6 +67,12 @@ def keep_mask(bounds: torch.Tensor, threshold: float) -> torch.Tensor:
     budget = threshold * bounds.sum(-1, keepdim=True)
     skip_sorted = ordered.cumsum(-1) <= budget
     return ~torch.zeros_like(skip_sorted).scatter(-1, order, skip_sorted)
+
+
+# On the CPU, gathering the kept rows costs more per row than one dense product over all of them (measured on
+# SmolLM2's shapes: a full gather is 1.0-1.4x a full product), so rows are gathered only when fewer than this
+# fraction of the blocks is kept; otherwise the skipped blocks are zeroed in the activations and all weights read.
+GATHER_BELOW = 0.7
 
 
 class _SkippingLinear:
@@ -91,21 +102,29 @@ class _SkippingLinear:
         flat = x.reshape(-1, self.in_features)  # [batch, in]: one token per sequence
         bounds = self.block_size * self.weight_block_max * block_max(flat.float(), self.block_size)
         keep = keep_mask(bounds, self.threshold).any(0)  # a block needed by any sequence is computed for all
-        blocks = keep.numel()
+        blocks, kept = keep.numel(), int(keep.sum())
         self.stats.calls += 1
         self.stats.blocks_seen += blocks
-        self.stats.blocks_skipped += blocks - int(keep.sum())
-        out = self._matvec(flat, keep)
+        self.stats.blocks_skipped += blocks - kept
+        out = self._matvec(flat, keep, kept / blocks)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def _matvec(self, flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _matvec(self, flat: torch.Tensor, keep: torch.Tensor, kept_fraction: float) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         if self.use_triton:
             from .kernels.triton.skip_matvec import skip_matvec
 
+            self.stats.blocks_read += int(keep.sum())
             return skip_matvec(flat, weight, bias, keep, self.block_size)
+        columns = keep.repeat_interleave(self.block_size)[: self.in_features]
+        if kept_fraction >= GATHER_BELOW:
+            self.stats.blocks_read += keep.numel()
+            if kept_fraction < 1:
+                flat = flat * columns.to(flat.dtype)
+            return F.linear(flat, weight, bias)  # the weight is the transposed view: input-major GEMV
+        self.stats.blocks_read += int(keep.sum())
         rows = torch.arange(self.in_features, device=flat.device)
-        rows = rows[keep.repeat_interleave(self.block_size)[: self.in_features]]
+        rows = rows[columns]
         batch = flat.shape[0]
         offsets = torch.arange(batch, device=flat.device) * rows.numel()
         out = F.embedding_bag(
@@ -134,7 +153,7 @@ class WeightSkipHandle:
         self._removed = False
 
     def stats(self) -> dict[str, dict]:
-        """Per module name: calls, blocks_seen, blocks_skipped, skipped_fraction; plus a `total` entry."""
+        """Per module name: calls, blocks_seen, blocks_skipped, blocks_read, skipped_fraction; plus `total`."""
         out = {}
         total = SkipStats()
         for linear in self._linears:
@@ -143,6 +162,7 @@ class WeightSkipHandle:
             total.calls += s.calls
             total.blocks_seen += s.blocks_seen
             total.blocks_skipped += s.blocks_skipped
+            total.blocks_read += s.blocks_read
         out["total"] = {**asdict(total), "skipped_fraction": total.skipped_fraction}
         return out
 

@@ -135,3 +135,18 @@ def test_exact_mode_greedy_generation_identical_on_the_real_model(real_model):
         skipped = model.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(plain, skipped)
     assert handle.stats()["total"]["calls"] > 0
+
+
+@pytest.mark.parametrize("zero_blocks", [1, 3])  # 3 of 4 kept: one dense product; 1 of 4 kept: rows gathered
+def test_both_cpu_paths_compute_the_skipping_specification(zero_blocks):
+    layer = _linear(n_in=128, n_out=40)
+    x = torch.randn(1, 1, 128)
+    x[..., : 32 * zero_blocks] *= 1e-6  # tiny blocks: skipped by a small relative budget
+    with torch.no_grad(), enable_weight_skip(layer, threshold=1e-4, modules=[""]) as handle:
+        got = layer(x)
+    stats = handle.stats()[""]
+    assert stats["blocks_skipped"] == zero_blocks
+    assert stats["blocks_read"] == (4 if zero_blocks == 1 else 1)
+    keep = torch.tensor([False] * zero_blocks + [True] * (4 - zero_blocks))
+    expected = skip_matvec(x[0], layer.weight.detach(), layer.bias.detach(), keep, 32)
+    torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=1e-5)
