@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "threshold": threshold,
                 "skipped_fraction": stats["skipped_fraction"],
+                "read_fraction": stats["blocks_read"] / max(stats["blocks_seen"], 1),
                 "plain_tokens_per_s": max(plain),
                 "skip_tokens_per_s": max(skipping),
                 "speed_ratio": max(skipping) / max(plain),
@@ -100,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| threshold | blocks skipped | decode tok/s plain | with skip | ratio | perplexity Δ | KL div. | top-1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| threshold | blocks skipped | weights read | decode tok/s plain | with skip | ratio | perplexity Δ | KL div. "
+        "| top-1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['threshold']} | {100 * r['skipped_fraction']:.2f} % | {r['plain_tokens_per_s']:.1f} "
+            f"| {r['threshold']} | {100 * r['skipped_fraction']:.2f} % | {100 * r['read_fraction']:.1f} % "
+            f"| {r['plain_tokens_per_s']:.1f} "
             f"| {r['skip_tokens_per_s']:.1f} | {r['speed_ratio']:.2f}x | {r['delta_pct']:+.3f} % "
             f"| {r['kl_divergence']:.5f} | {100 * r['top1_agreement']:.2f} % |"
         )
