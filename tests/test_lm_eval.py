@@ -3,6 +3,7 @@ what plain `hf` scores, 4-bit caches score worse, and the command line runs end 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def test_command_line_runs_a_local_task_offline(real_model, tmp_path):
     metadata = '{"doc_chars": 600, "max_docs": 1}'
     args = ["--model", "hf-deltakv", "--model_args", "cache=q4_0", "--tasks", TASK, "--device", "cpu"]
     cmd = [sys.executable, "-m", "hf_deltakv.lm_eval", "run", *args, "--metadata", metadata]
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "word_perplexity" in done.stdout and TASK in done.stdout
