@@ -16,9 +16,12 @@ from .conftest import tiny_model
 @pytest.mark.parametrize("name", sorted(CACHES))
 def test_every_registered_cache_generates(name):
     model = tiny_model("llama")
+    if not CACHES[name].available():
+        pytest.skip(f"{CACHES[name].requires} not installed")
     cache = build_cache(name, model)
-    out = model.generate(torch.randint(3, 128, (1, 9)), max_new_tokens=4, do_sample=False, cache=cache)
-    assert out.shape == (1, 13)
+    # 8 prompt tokens: HQQ needs each quantized tensor's size to be a multiple of its group (64 values)
+    out = model.generate(torch.randint(3, 128, (1, 8)), max_new_tokens=4, do_sample=False, cache=cache)
+    assert out.shape == (1, 12)
 
 
 def test_spec_parsing():
