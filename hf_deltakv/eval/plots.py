@@ -26,13 +26,21 @@ def plot_delta_vs_bits(result: dict, path: str | Path) -> Path:
     plt = _pyplot()
     ctx = max(result["config"]["ctx"])
     ref = result["config"]["reference"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    caches = list(dict.fromkeys(row["cache"] for row in result["rows"] if row["cache"] != ref))
+    colors = {cache: f"C{i % 10}" for i, cache in enumerate(caches)}
     for row in result["rows"]:
         if row["ctx"] != ctx or row["cache"] == ref:
             continue
         protocol = row.get("protocol", "one-forward")
-        ax.scatter(row["bits_per_element"], row["delta_pct"], marker=_MARKERS.get(protocol, "^"))
-        ax.annotate(f"{row['cache']} ({protocol})", (row["bits_per_element"], row["delta_pct"]), fontsize=7)
+        ax.scatter(
+            row["bits_per_element"],
+            row["delta_pct"],
+            marker=_MARKERS.get(protocol, "^"),
+            color=colors[row["cache"]],
+            label=f"{row['cache']} ({protocol})",
+        )
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.set_xlabel("measured bits per cached element")
     ax.set_ylabel(f"perplexity Δ vs {ref} (%)")
