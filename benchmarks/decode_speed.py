@@ -1,19 +1,20 @@
 """Decode speed and memory on the CPU: tokens/s and peak memory after a prompt, per cache and context length.
 
-Each (cache, context) runs in its own process: prefill the prompt, reset the process's peak-RSS mark
-(/proc/self/clear_refs), then decode `--new` tokens greedily one at a time. Reported: decode tokens/s, the peak RSS
-during decoding above the RSS before it (cache growth plus transient buffers such as a dequantized history), and
-the cache's bytes at the end (our caches count their own; for transformers' caches every tensor they hold is
-counted, the full-precision window included). All rows come from one invocation, so ratios are comparable; the
-absolute numbers depend on the machine.
+Each (cache, context) runs in its own process: load the model (RSS baseline), prefill the prompt, hand freed memory
+back to the OS (malloc_trim) and reset the peak-RSS mark (/proc/self/clear_refs), then decode `--new` tokens
+greedily one at a time. Reported: decode tokens/s; peak memory while decoding above the loaded model (the cache
+plus every transient buffer, such as a dequantized history); and the cache's bytes at the end (our caches count
+their own; for transformers' caches every tensor they hold is counted, the full-precision window included). All
+rows come from one invocation, so ratios are comparable; the absolute numbers depend on the machine.
 
-    python benchmarks/decode_speed.py                       # 1K and 4K context, ~10 min on 2 cores
+    python benchmarks/decode_speed.py                       # 1K and 4K context, ~4 min on 2 cores
     python benchmarks/decode_speed.py --ctx 1024,4096,8192 --caches dynamic,delta
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -46,12 +47,15 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
     ids = tokenizer(load_text(text), return_tensors="pt").input_ids[:, :ctx]
     if ids.shape[1] < ctx:
         raise ValueError(f"{text} has only {ids.shape[1]} tokens, {ctx} asked")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim(0)
+    baseline = _rss_kib("VmRSS")  # model weights and the Python runtime
     cache = build_cache(spec, model)
     start = time.perf_counter()
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     prefill = time.perf_counter() - start
+    libc.malloc_trim(0)  # the prefill's transient buffers go back to the OS, so decoding's peak is its own
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = _rss_kib("VmRSS")
     start = time.perf_counter()
     for _ in range(new):
         token = logits[:, -1].argmax(-1, keepdim=True)
@@ -64,7 +68,7 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
         "new": new,
         "prefill_s": prefill,
         "decode_tokens_per_s": new / decode,
-        "decode_peak_rss_mib": (_rss_kib("VmHWM") - before) / 1024,
+        "decode_peak_mib": (_rss_kib("VmHWM") - baseline) / 1024,
         "cache_mib": nbytes / 2**20,
         "bits_per_element": bits,
         "threads": torch.get_num_threads(),
@@ -104,14 +108,14 @@ def markdown(rows: list[dict]) -> str:
     """One table; speed and memory ratios are against `dynamic` at the same context."""
     base = {r["ctx"]: r for r in rows if r["cache"] == "dynamic"}
     lines = [
-        "| cache | ctx | decode tokens/s | vs dynamic | peak RSS growth decoding (MiB) | cache (MiB) | bits/element |",
+        "| cache | ctx | decode tokens/s | vs dynamic | peak memory decoding (MiB) | cache (MiB) | bits/element |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ref = base.get(r["ctx"])
         ratio = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x" if ref else "—"
         lines.append(
-            f"| {r['cache']} | {r['ctx']} | {r['decode_tokens_per_s']:.1f} | {ratio} | {r['decode_peak_rss_mib']:.1f} "
+            f"| {r['cache']} | {r['ctx']} | {r['decode_tokens_per_s']:.1f} | {ratio} | {r['decode_peak_mib']:.1f} "
             f"| {r['cache_mib']:.2f} | {r['bits_per_element']:.2f} |"
         )
     return "\n".join(lines)
