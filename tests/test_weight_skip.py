@@ -150,3 +150,29 @@ def test_both_cpu_paths_compute_the_skipping_specification(zero_blocks):
     keep = torch.tensor([False] * zero_blocks + [True] * (4 - zero_blocks))
     expected = skip_matvec(x[0], layer.weight.detach(), layer.bias.detach(), keep, 32)
     torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_accelerate_hooked_modules_keep_their_hook():
+    """device_map-placed models wrap forward in an accelerate hook that calls `_old_forward`: patch that one."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class CountingHook(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            CountingHook.calls += 1
+            return args, kwargs
+
+    layer = _linear(n_in=64)
+    add_hook_to_module(layer, CountingHook())
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        with enable_weight_skip(layer, modules=[""]) as handle:
+            got = layer(x)
+        after = layer(x)
+    assert CountingHook.calls == 2 and handle.stats()[""]["calls"] == 1
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(after, expected)
+    remove_hook_from_module(layer)
+    torch.testing.assert_close(layer(x), expected)
