@@ -1,11 +1,12 @@
 """Decode speed and memory on the CPU: tokens/s and peak memory after a prompt, per cache and context length.
 
-Each (cache, context) runs in its own process: load the model (RSS baseline), prefill the prompt, hand freed memory
-back to the OS (malloc_trim) and reset the peak-RSS mark (/proc/self/clear_refs), then decode `--new` tokens
-greedily one at a time. Reported: decode tokens/s; peak memory while decoding above the loaded model (the cache
-plus every transient buffer, such as a dequantized history); and the cache's bytes at the end (our caches count
-their own; for transformers' caches every tensor they hold is counted, the full-precision window included). All
-rows come from one invocation, so ratios are comparable; the absolute numbers depend on the machine.
+Each (cache, context) runs in its own process: load the model and run it once (RSS baseline), prefill the prompt,
+hand freed memory back to the OS (malloc_trim) and reset the peak-RSS mark (/proc/self/clear_refs), then decode
+`--new` tokens greedily one at a time. Reported: decode tokens/s; peak memory while decoding above the loaded
+model (the cache plus every transient buffer, such as a dequantized history); and the cache's bytes at the end
+(our caches count their own; for transformers' caches every tensor they hold is counted, the full-precision
+window included). All rows come from one invocation, so ratios are comparable; absolute numbers depend on the
+machine.
 
     python benchmarks/decode_speed.py                       # 1K and 4K context, ~4 min on 2 cores
     python benchmarks/decode_speed.py --ctx 1024,4096,8192 --caches dynamic,delta
@@ -47,6 +48,7 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
     ids = tokenizer(load_text(text), return_tensors="pt").input_ids[:, :ctx]
     if ids.shape[1] < ctx:
         raise ValueError(f"{text} has only {ids.shape[1]} tokens, {ctx} asked")
+    model(ids[:, :8])  # weights are memory-mapped: page them all in before the baseline
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
     baseline = _rss_kib("VmRSS")  # model weights and the Python runtime
