@@ -13,12 +13,10 @@ import sys
 from pathlib import Path
 
 from core_formats import DELTA_VARIANTS
+from paths import RESULTS, WIKITEXT_VALID
 
 from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
-
-HERE = Path(__file__).resolve().parent
-DEFAULT_TEXT = HERE.parent.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 
 VARIANTS = (
     "fp16",
@@ -38,10 +36,10 @@ VARIANTS = (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--text", default=str(WIKITEXT_VALID))
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=1024)
-    parser.add_argument("--out", default=str(HERE / "results" / "ablation_kld.json"))
+    parser.add_argument("--out", default=str(RESULTS / "ablation_kld.json"))
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model()

@@ -14,11 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from paths import RESULTS, WIKITEXT_TEST
+
 from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
-
-HERE = Path(__file__).resolve().parent
-DEFAULT_TEXT = HERE.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
 # One change from the DeltaKVCache default per row (shared with ablation_kld.py).
 DELTA_VARIANTS = (
@@ -50,12 +49,12 @@ GROWTH = ("fp16", "q4_0", "delta:kf=32", "delta:kf=512")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--text", default=str(WIKITEXT_TEST))
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--growth-ctx", default="512,4096", help="context lengths of the error-growth check")
     parser.add_argument("--growth-windows", type=int, default=8)
-    parser.add_argument("--out", default=str(HERE / "results" / "core_formats.json"))
+    parser.add_argument("--out", default=str(RESULTS / "core_formats.json"))
     parser.add_argument("--skip-growth", action="store_true")
     args = parser.parse_args(argv)
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+from paths import RESULTS
 
-HERE = Path(__file__).resolve().parent
 CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta", "hf-hqq")
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=32, help="tokens decoded after the prompt")
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--text", default="stdlib-code", help="built-in text or file (needs >= ctx tokens)")
-    parser.add_argument("--out", default=str(HERE / "results" / "decode_speed.json"))
+    parser.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one cache
     args = parser.parse_args(argv)
 

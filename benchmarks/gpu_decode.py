@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from paths import RESULTS
 
 from hf_deltakv.kernels import reference
 from hf_deltakv.quant import quantize
-
-HERE = Path(__file__).resolve().parent
 
 
 def _time(fn, iters: int, device: str) -> float:
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", default=str(HERE / "results" / "gpu_decode.json"))
+    parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu under TRITON_INTERPRET=1 for a smoke test", file=sys.stderr)

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from paths import WIKITEXT_VALID
 
 from hf_deltakv.eval.kv_statistics import layer_statistics
 from hf_deltakv.eval.texts import load_text
 from hf_deltakv.models import load_model
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--text", default=str(WIKITEXT_VALID))
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--sinks", type=int, default=4, help="leading tokens left out, as the cache keeps them raw")
     args = parser.parse_args(argv)

@@ -9,9 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+from paths import RESULTS
+
 from hf_deltakv.eval.compare import markdown_table
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SEED_TITLES = {
     "a": "(a) ctx 512: fp16 / q8_0 / q4_0 / delta kf 16, 32, 64, with anchors, both protocols",
     "b": "(b) context sweep",

@@ -21,12 +21,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from paths import RESULTS, WIKITEXT_TEST
+
 from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
 from hf_deltakv.registry import CACHES
-
-HERE = Path(__file__).resolve().parent
-WIKITEXT_TEST = HERE.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
 # table: (caches, texts, ctx, windows, protocols)
 TABLES = {
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", default="a,b,c,d")
     parser.add_argument("--text", default=str(WIKITEXT_TEST), help="WikiText-2 test.txt")
-    parser.add_argument("--out-dir", default=str(HERE / "results"))
+    parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 

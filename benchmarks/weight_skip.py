@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 
 import torch
+from paths import RESULTS, WIKITEXT_TEST
 
 from hf_deltakv.eval.perplexity import perplexity, token_windows
 from hf_deltakv.eval.texts import load_text
 from hf_deltakv.models import load_model
 from hf_deltakv.weight_skip import enable_weight_skip
 
-HERE = Path(__file__).resolve().parent
-WIKITEXT_TEST = HERE.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 THRESHOLDS = (0.0, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03)
 
 
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens before timed decoding")
     parser.add_argument("--new", type=int, default=48, help="tokens decoded per timing run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "results" / "weight_skip.json"))
+    parser.add_argument("--out", default=str(RESULTS / "weight_skip.json"))
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model()
