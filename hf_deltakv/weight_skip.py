@@ -123,8 +123,7 @@ class _SkippingLinear:
                 flat = flat * columns.to(flat.dtype)
             return F.linear(flat, weight, bias)  # the weight is the transposed view: input-major GEMV
         self.stats.blocks_read += int(keep.sum())
-        rows = torch.arange(self.in_features, device=flat.device)
-        rows = rows[columns]
+        rows = columns.nonzero().squeeze(1)
         batch = flat.shape[0]
         offsets = torch.arange(batch, device=flat.device) * rows.numel()
         out = F.embedding_bag(

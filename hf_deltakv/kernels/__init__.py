@@ -8,6 +8,7 @@ against their reference under `TRITON_INTERPRET=1` on the CPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -19,7 +20,9 @@ from .reference import skip_matvec
 __all__ = ["reference", "segmented_prefix_sum", "skip_matvec", "triton_available", "use_triton"]
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Triton is importable (looked up once: the dispatch runs on every decode step)."""
     return importlib.util.find_spec("triton") is not None
 
 
