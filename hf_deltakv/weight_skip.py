@@ -69,9 +69,10 @@ def keep_mask(bounds: torch.Tensor, threshold: float) -> torch.Tensor:
     return ~torch.zeros_like(skip_sorted).scatter(-1, order, skip_sorted)
 
 
-# On the CPU, gathering the kept rows costs more per row than one dense product over all of them (measured on
-# SmolLM2's shapes: a full gather is 1.0-1.4x a full product), so rows are gathered only when fewer than this
-# fraction of the blocks is kept; otherwise the skipped blocks are zeroed in the activations and all weights read.
+# On the CPU, gathering the kept rows costs more per row than one dense product over all of them (SmolLM2's
+# shapes, benchmarks/matvec_layouts.py: a full gather is 1.0-1.6x a full product), so rows are gathered only when
+# fewer than this fraction of the blocks is kept; otherwise skipped blocks are zeroed in the activations and all
+# weights read.
 GATHER_BELOW = 0.7
 
 
