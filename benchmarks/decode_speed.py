@@ -8,7 +8,7 @@ model (the cache plus every transient buffer, such as a dequantized history); an
 window included). All rows come from one invocation, so ratios are comparable; absolute numbers depend on the
 machine.
 
-    python benchmarks/decode_speed.py                       # 1K and 4K context, ~4 min on 2 cores
+    python benchmarks/decode_speed.py                       # 1K, 4K and 8K context, ~15 min on 2 cores
     python benchmarks/decode_speed.py --ctx 1024,4096,8192 --caches dynamic,delta
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from paths import RESULTS
 
-CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta", "hf-hqq")
+CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta", "residual", "hf-hqq")
 
 
 def _rss_kib(field: str) -> int:
@@ -79,7 +79,7 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ctx", default="1024,4096", help="prompt lengths, comma-separated")
+    parser.add_argument("--ctx", default="1024,4096,8192", help="prompt lengths, comma-separated")
     parser.add_argument("--new", type=int, default=32, help="tokens decoded after the prompt")
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--text", default="stdlib-code", help="built-in text or file (needs >= ctx tokens)")

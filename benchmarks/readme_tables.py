@@ -97,6 +97,28 @@ def main() -> int:
 
         print(f"\n### Decoding on the CPU ({decode['config']['new']} new tokens after the prompt)\n")
         print(decode_table(decode["rows"]))
+    residual = _load("residual_cache.json")
+    if residual:
+        for result in residual["results"]:
+            cfg = result["config"]
+            print(
+                f"\n### Residual cache side by side: {cfg['text']}, {cfg['windows']} windows per length "
+                "(`residual_cache.json`)\n"
+            )
+            print(markdown_table(result))
+    tradeoff = _load("residual_tradeoff.json")
+    if tradeoff:
+        cfg = tradeoff["config"]
+        print(
+            f"\n### Residual cache trade-off: {cfg['text']}, {cfg['windows']} windows of {cfg['ctx']} tokens, "
+            f"fitted compressors (`residual_tradeoff.json`)\n"
+        )
+        print("| variant | bits/element | perplexity | Δ | KL |\n|---|---:|---:|---:|---:|")
+        for row in tradeoff["rows"]:
+            print(
+                f"| {row['name']} | {row['bits']:.2f} | {row['perplexity']:.3f} | {row['delta_pct']:+.2f} % | "
+                f"{row['kl']:.4f} |"
+            )
     skip = _load("weight_skip.json")
     if skip:
         from weight_skip import markdown as skip_table

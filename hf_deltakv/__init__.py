@@ -1,7 +1,15 @@
 """hf_deltakv: compressed KV caches for HuggingFace transformers, with real packed storage."""
 
 from .cache import CompressedKVCache, DeltaKVCache, KIVIKVCache, QuantizedKVCache
+from .residual.cache import ResidualKVCache
 from .weight_skip import enable_weight_skip
 
-__all__ = ["CompressedKVCache", "DeltaKVCache", "KIVIKVCache", "QuantizedKVCache", "enable_weight_skip"]
+__all__ = [
+    "CompressedKVCache",
+    "DeltaKVCache",
+    "KIVIKVCache",
+    "QuantizedKVCache",
+    "ResidualKVCache",
+    "enable_weight_skip",
+]
 __version__ = "0.1.0"

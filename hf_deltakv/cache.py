@@ -21,7 +21,7 @@ from .codecs.channel import ChannelGroupCodec
 from .codecs.delta import DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
-from .layers.compressed import CompressedLayer, PositionLog
+from .layers import CompressedLayer, PositionLog, StreamLayer
 from .quant import get_format
 from .rope import RopeInverter, find_rotary_embedding
 
@@ -34,28 +34,18 @@ def _check_sinks(sink_tokens: int) -> int:
     return sink_tokens
 
 
-class CompressedKVCache(Cache):
-    """Base of every hf_deltakv cache: a list of `CompressedLayer`s created as the model reaches them.
+class StreamCache(Cache):
+    """Base of every hf_deltakv cache: a list of `StreamLayer`s created as the model reaches them.
 
     Args:
-        key_codec: factory of each layer's key codec.
-        value_codec: factory of each layer's value codec.
         sink_tokens: first tokens kept raw (attention sinks), counted in the bytes.
-        model: the model the cache serves. Optional; with it, keys are coded before RoPE (when `pre_rope`) and
+        model: the model the cache serves. Optional; with it, keys can be coded before RoPE (when `pre_rope`) and
             layer types the cache cannot serve are refused up front.
         pre_rope: code keys before RoPE; needs `model`. Defaults to True when `model` is given.
     """
 
-    def __init__(
-        self,
-        key_codec: Callable[[], StreamCodec],
-        value_codec: Callable[[], StreamCodec],
-        sink_tokens: int = 0,
-        model: nn.Module | None = None,
-        pre_rope: bool | None = None,
-    ) -> None:
+    def __init__(self, sink_tokens: int = 0, model: nn.Module | None = None, pre_rope: bool | None = None) -> None:
         super().__init__(layers=[])
-        self._key_codec, self._value_codec = key_codec, value_codec
         self.sink_tokens = _check_sinks(sink_tokens)
         self.positions = PositionLog()
         self._layer_types: list[str] | None = None
@@ -65,22 +55,24 @@ class CompressedKVCache(Cache):
         if model is not None:
             if not isinstance(model, nn.Module):
                 raise ValueError(f"model must be a torch nn.Module, got {type(model).__name__}")
-            self._layer_types = _layer_types(model)
+            self._layer_types = model_layer_types(model)
             if pre_rope is None or pre_rope:
                 self._rotary = find_rotary_embedding(model)
                 if self._rotary is None and pre_rope:
                     raise ValueError(f"pre_rope=True but {type(model).__name__} has no *RotaryEmbedding module")
 
+    def _rope(self, layer_idx: int) -> RopeInverter | None:
+        if self._rotary is None:
+            return None
+        layer_type = self._layer_types[layer_idx] if self._layer_types else None
+        return RopeInverter(self._rotary, layer_type)
+
+    def _make_layer(self, layer_idx: int) -> StreamLayer:
+        raise NotImplementedError
+
     @property
     def pre_rope(self) -> bool:
         return self._rotary is not None
-
-    def _make_layer(self, layer_idx: int) -> CompressedLayer:
-        rope = None
-        if self._rotary is not None:
-            layer_type = self._layer_types[layer_idx] if self._layer_types else None
-            rope = RopeInverter(self._rotary, layer_type)
-        return CompressedLayer(self._key_codec, self._value_codec, self.sink_tokens, rope, self.positions)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -122,11 +114,37 @@ class CompressedKVCache(Cache):
         self.positions.map_batch(lambda t: t[indices])
 
 
+class CompressedKVCache(StreamCache):
+    """A cache whose layers code keys and values with one codec each (`CompressedLayer`).
+
+    Args:
+        key_codec: factory of each layer's key codec.
+        value_codec: factory of each layer's value codec.
+        sink_tokens, model, pre_rope: see `StreamCache`.
+    """
+
+    def __init__(
+        self,
+        key_codec: Callable[[], StreamCodec],
+        value_codec: Callable[[], StreamCodec],
+        sink_tokens: int = 0,
+        model: nn.Module | None = None,
+        pre_rope: bool | None = None,
+    ) -> None:
+        super().__init__(sink_tokens, model, pre_rope)
+        self._key_codec, self._value_codec = key_codec, value_codec
+
+    def _make_layer(self, layer_idx: int) -> CompressedLayer:
+        return CompressedLayer(
+            self._key_codec, self._value_codec, self.sink_tokens, self._rope(layer_idx), self.positions
+        )
+
+
 def _maybe_rotated(codec: StreamCodec, rotate: bool) -> StreamCodec:
     return RotatedCodec(codec) if rotate else codec
 
 
-def _layer_types(model: nn.Module) -> list[str]:
+def model_layer_types(model: nn.Module) -> list[str]:
     config = getattr(model, "config", None)
     if config is None:
         return []

@@ -1,4 +1,4 @@
-"""`hf-deltakv` command line: `hf-deltakv ppl ...` compares caches side by side."""
+"""`hf-deltakv` command line: `ppl` compares caches side by side; `train-residual` trains a residual compressor."""
 
 from __future__ import annotations
 
@@ -42,7 +42,46 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--out", default="hf-deltakv-out", help="folder for ppl.json and the PNG plots")
     ppl.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
     ppl.add_argument("--no-progress", action="store_true")
+    _add_train_parser(sub)
     return parser
+
+
+def _add_train_parser(sub) -> None:
+    from .residual.train import TrainConfig
+
+    defaults = TrainConfig()
+    train = sub.add_parser("train-residual", help="train the learned residual cache's compressor for a model")
+    train.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    train.add_argument(
+        "--text",
+        default="stdlib-code",
+        help="training text: a built-in source or a file path; "
+        "several joined with '+' (never the test split you report on)",
+    )
+    train.add_argument("--out", default="residual-compressor", help="run folder (resumes when it holds a run)")
+    for name in ("steps", "ctx", "warmup", "calibration_windows", "validation_windows", "save_every", "seed"):
+        train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in ("lr", "mse_weight", "rate", "key_weight"):
+        train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    train.add_argument(
+        "--loss",
+        choices=("kl", "ce"),
+        default=defaults.loss,
+        help="next-token loss: KL from the "
+        "uncompressed model (default) or cross-entropy on the text (DeltaKV's; adapts to the text)",
+    )
+    train.add_argument(
+        "--stride",
+        type=int,
+        default=0,
+        help="every stride-th token is a reference (0: none, the "
+        "default: on SmolLM2 references did not pay for their bytes)",
+    )
+    train.add_argument("--top-k", type=int, default=1, help="nearest references averaged into a token's base")
+    train.add_argument("--sink-tokens", type=int, default=8)
+    train.add_argument("--window", type=int, default=16, help="recent tokens kept raw")
+    train.add_argument("--reference-format", default="q8_0", help="block format of references (f16 = raw)")
+    train.add_argument("--no-progress", action="store_true")
 
 
 def split_specs(text: str) -> tuple[str, ...]:
@@ -59,10 +98,13 @@ def split_specs(text: str) -> tuple[str, ...]:
     return tuple(specs)
 
 
-def default_caches() -> tuple[str, ...]:
-    """Our default comparison plus transformers' QuantizedCache anchors whose backend is installed."""
+def default_caches(model: str | None = None) -> tuple[str, ...]:
+    """Our default comparison (with the residual cache when its built-in compressor fits the model) plus
+    transformers' QuantizedCache anchors whose backend is installed."""
     from .eval.compare import DEFAULT_CACHES
+    from .models import DEFAULT_MODEL
 
+    ours = (*DEFAULT_CACHES, "residual") if model in (None, DEFAULT_MODEL) else DEFAULT_CACHES
     anchors = []
     for name in ("hf-quanto", "hf-hqq"):
         if CACHES[name].available():
@@ -72,13 +114,51 @@ def default_caches() -> tuple[str, ...]:
                 f"note: {name} skipped ({CACHES[name].requires} not installed: pip install 'hf-deltakv[anchors]')",
                 file=sys.stderr,
             )
-    return (*DEFAULT_CACHES, *anchors)
+    return (*ours, *anchors)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "ppl":
         return run_ppl(args)
+    if args.command == "train-residual":
+        return run_train_residual(args)
+    return 0
+
+
+def run_train_residual(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .eval.texts import load_text
+    from .models import load_model
+    from .residual.checkpoint import save_compressor
+    from .residual.train import TrainConfig, train_residual
+    from .residual.window import Layout
+
+    model, tokenizer = load_model(args.model)
+    text = "\n\n".join(load_text(part) for part in args.text.split("+"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    names = (
+        "steps",
+        "ctx",
+        "warmup",
+        "calibration_windows",
+        "validation_windows",
+        "save_every",
+        "seed",
+        "lr",
+        "mse_weight",
+        "rate",
+        "key_weight",
+        "loss",
+    )
+    config = TrainConfig(**{name: getattr(args, name) for name in names})
+    layout = Layout(args.stride, args.top_k, args.sink_tokens, args.window, args.reference_format)
+    compressor = train_residual(model, ids, args.out, config, layout, args.text, not args.no_progress)
+    final = save_compressor(compressor, Path(args.out) / "final", dtype=torch.float16)
+    print(f"wrote {final} (load with ResidualKVCache.from_pretrained({str(final)!r}, model=model))", file=sys.stderr)
     return 0
 
 
@@ -88,7 +168,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     from .eval.compare import compare_caches, markdown_table, write_json
     from .models import load_model
 
-    caches = split_specs(args.caches) if args.caches else default_caches()
+    caches = split_specs(args.caches) if args.caches else default_caches(args.model)
     protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
     model, tokenizer = load_model(args.model)
     result = compare_caches(

@@ -14,6 +14,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
 from .cache import DeltaKVCache, KIVIKVCache, QuantizedKVCache
+from .residual.cache import ResidualKVCache
 
 
 def hf_quantized_cache(backend: str, model: nn.Module | None = None, nbits: int = 4, **kwargs) -> Cache:
@@ -63,6 +64,11 @@ CACHES: dict[str, CacheEntry] = {
         "KIVI-style with keys quantized before RoPE", KIVIKVCache, {"pre_rope": True}, takes_model=True
     ),
     "delta": CacheEntry("DeltaKVCache (defaults; keys coded before RoPE)", DeltaKVCache, takes_model=True),
+    "residual": CacheEntry(
+        "ResidualKVCache (learned residual codes; built-in compressor for SmolLM2-135M, or compressor=DIR)",
+        ResidualKVCache,
+        takes_model=True,
+    ),
     "hf-quanto": CacheEntry(
         "transformers QuantizedCache, optimum-quanto backend, 4 bits, 128 recent tokens in full precision",
         partial(hf_quantized_cache, "quanto"),

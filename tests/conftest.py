@@ -60,3 +60,23 @@ def real_model():
     from hf_deltakv.models import load_model
 
     return load_model()
+
+
+_TINY_COMPRESSORS: dict = {}
+
+
+def tiny_compressor(model, top_k: int = 2):
+    """A compressor fitted (not trained) on random tokens for a tiny model, with a layout small enough that a
+    12-token prompt has references, coded tokens and a window (sinks 2, stride 3, window 3)."""
+    from hf_deltakv.residual.fit import fit_compressor
+    from hf_deltakv.residual.window import Layout
+
+    key = (model.config.model_type, model.config.num_key_value_heads, str(model.dtype), top_k)
+    if key not in _TINY_COMPRESSORS:
+        windows = [torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+        layout = Layout(stride=3, top_k=top_k, sink_tokens=2, window=3, reference_format="q8_0")
+        dtype = model.dtype
+        with torch.no_grad():
+            _TINY_COMPRESSORS[key] = fit_compressor(model.float(), windows, 4.0, layout)
+        model.to(dtype)
+    return _TINY_COMPRESSORS[key]

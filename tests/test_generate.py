@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache
 
-from .conftest import ARCHS, tiny_model
+from .conftest import ARCHS, tiny_compressor, tiny_model
 
 LOSSY = {
     "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
@@ -20,6 +20,7 @@ LOSSY = {
     "delta": lambda model: DeltaKVCache(kf=4),
     "delta-pre-rope": lambda model: DeltaKVCache(kf=4, model=model),
     "delta-both": lambda model: DeltaKVCache(kf=4, values="delta", model=model),
+    "residual": lambda model: ResidualKVCache(model=model, compressor=tiny_compressor(model)),
 }
 
 

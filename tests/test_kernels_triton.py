@@ -113,3 +113,67 @@ def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads,
     for splits in (1, 3):
         got = decode_attention(query, keys, values, dim**-0.5, mask, splits=splits)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [[4, 0, 2, 8], [3, 5, 6, 0, 0, 2], [0, 8]])
+@pytest.mark.parametrize("lead", [(1,), (2, 5)])
+def test_dequantize_latent_matches_reference(bits, lead):
+    from hf_deltakv.kernels.triton.latent import dequantize_latent
+    from hf_deltakv.quant.bitpack import GROUP, pack_bits, quantize_group
+
+    torch.manual_seed(len(bits) + len(lead))
+    latent = torch.randn(*lead, len(bits), GROUP, dtype=torch.bfloat16).float() * 3
+    packed, scales = [], []
+    for g, b in enumerate(bits):
+        if b:
+            codes, scale = quantize_group(latent[..., g, :], b)
+            packed.append(pack_bits(codes, b))
+            scales.append(scale)
+    packed, scales = torch.cat(packed, -1), torch.stack(scales, -1)
+    expected = reference.dequantize_latent(packed, scales, bits)
+    torch.testing.assert_close(dequantize_latent(packed, scales, bits), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="bit depths"):
+        dequantize_latent(packed, scales, [*bits, 4])
+
+
+@pytest.mark.parametrize(
+    ("streams", "groups", "kf", "dim", "block", "intra"),
+    [(2, 3, 5, 64, 16, True), (1, 2, 4, 64, 32, True), (3, 1, 6, 32, 16, False), (1, 2, 1, 64, 16, True)],
+)
+def test_delta_encode_matches_reference(streams, groups, kf, dim, block, intra):
+    from hf_deltakv.kernels.triton.delta_encode import delta_encode_groups
+
+    torch.manual_seed(kf * dim)
+    walk = torch.randn(streams, groups, kf, dim, dtype=torch.bfloat16).float().cumsum(2)
+    walk[..., :4] *= 20  # outlier channels
+    long_term = torch.randn_like(walk) if intra else None
+    keyframes = walk[:, :, 0] + 0.01 * torch.randn(streams, groups, dim)
+    want = reference.delta_encode_groups(walk, long_term, keyframes, block)
+    got = delta_encode_groups(walk, long_term, keyframes, block)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"kf": 4}, {"kf": 8, "delta_format": "q4_0"}, {"kf": 5, "intra": False}])
+def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, options):
+    """DeltaCodec takes the fused encode kernel on GPUs; forced here (interpreter) it must store the same bytes."""
+    import hf_deltakv.kernels
+    from hf_deltakv.codecs import delta as delta_module
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 43, 64, dtype=torch.bfloat16).float().cumsum(2)
+    step = torch.randn(2, 3, 1, 64)
+    plain = delta_module.DeltaCodec(**options)
+    plain.append(x)
+    plain.append(step)
+    monkeypatch.setattr(delta_module, "use_triton", lambda device: True)
+    monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
+    fused = delta_module.DeltaCodec(**options)
+    fused.append(x)
+    fused.append(step)
+    for name in ("keyframes", "deltas"):
+        a, b = getattr(plain, name), getattr(fused, name)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
+    torch.testing.assert_close(plain.reference_state, fused.reference_state, atol=1e-5, rtol=1e-5)
+    assert plain.nbytes() == fused.nbytes()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import segmented_prefix_sum
+from ..kernels import delta_encode_groups, segmented_prefix_sum, use_triton
 from ..quant import QuantizedTensor, dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq
 
@@ -77,6 +77,26 @@ def _delta_positions(count: int, kf: int, device: torch.device) -> torch.Tensor:
     """Stream positions of the first `count` non-keyframe tokens (offsets 1..kf-1 of each group)."""
     index = torch.arange(count, device=device)
     return (index // (kf - 1)) * kf + index % (kf - 1) + 1
+
+
+def code_delta(
+    x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool
+) -> tuple[QuantizedTensor, torch.Tensor]:
+    """Quantize `x - base` in `fmt`; with `intra`, per block the better of that and `x - long_term` (flagged in the
+    scale). Returns the stored blocks and the reconstruction the decoder will compute from them."""
+    inter = quantize(x - base, fmt)
+    inter_rec = base + dequantize(inter)
+    if not intra:
+        return inter, inter_rec
+    coded_intra = quantize(x - long_term, fmt)
+    intra_rec = long_term + dequantize(coded_intra)
+    block = get_format(fmt).block_size
+    use_intra = _block_sse(intra_rec, x, block) < _block_sse(inter_rec, x, block)
+    chosen = _with_flags(_select_blocks(use_intra, coded_intra, inter), use_intra)
+    # Reconstruct from what is stored (the flagged scale), exactly as the decoder will.
+    values = dequantize(chosen)
+    flags = _expand_blocks(_flags(chosen), block, x.shape[-1])
+    return chosen, torch.where(flags, long_term + values, base + values)
 
 
 class DeltaCodec(StreamCodec):
@@ -152,20 +172,37 @@ class DeltaCodec(StreamCodec):
     def _code_delta(
         self, x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor
     ) -> tuple[QuantizedTensor, torch.Tensor]:
-        """Quantize `x - base`; with intra, per block the better of that and `x - long_term`."""
-        inter = quantize(x - base, self.delta_format)
-        inter_rec = base + dequantize(inter)
-        if not self.intra:
-            return inter, inter_rec
-        intra = quantize(x - long_term, self.delta_format)
-        intra_rec = long_term + dequantize(intra)
-        block = get_format(self.delta_format).block_size
-        use_intra = _block_sse(intra_rec, x, block) < _block_sse(inter_rec, x, block)
-        chosen = _with_flags(_select_blocks(use_intra, intra, inter), use_intra)
-        # Reconstruct from what is stored (the flagged scale), exactly as the decoder will.
-        values = dequantize(chosen)
-        flags = _expand_blocks(_flags(chosen), block, x.shape[-1])
-        return chosen, torch.where(flags, long_term + values, base + values)
+        return code_delta(x, base, long_term, self.delta_format, self.intra)
+
+    def _kernel_block(self, x: torch.Tensor) -> int | None:
+        """Block size when the fused encode kernel applies on `x`'s device (q4_0 deltas from the previous token,
+        dim / block a power of two), else None."""
+        fmt = get_format(self.delta_format)
+        blocks = x.shape[-1] // fmt.block_size
+        supported = fmt.name in ("q4_0", "q4_0_16") and self.reference == "previous"
+        if not supported or x.shape[-1] % fmt.block_size or blocks & (blocks - 1) or not use_triton(x.device):
+            return None
+        return fmt.block_size
+
+    def _encode_groups(
+        self, slots: torch.Tensor, long_term: torch.Tensor, keyframes: torch.Tensor
+    ) -> tuple[QuantizedTensor, torch.Tensor]:
+        """Code offsets 1..kf-1 of every group with `kernels.delta_encode_groups` (see `reference`)."""
+        batch, heads, groups, kf, dim = slots.shape
+        block = self._kernel_block(slots)
+        codes, scales, recon = delta_encode_groups(
+            slots.reshape(-1, groups, kf, dim),
+            long_term.reshape(-1, groups, kf, dim) if self.intra else None,
+            keyframes.reshape(-1, groups, dim),
+            block,
+        )
+        stacked = QuantizedTensor(
+            get_format(self.delta_format),
+            dim,
+            codes.view(batch, heads, groups, kf - 1, *codes.shape[-2:]),
+            scales.view(batch, heads, groups, kf - 1, -1),
+        )
+        return stacked, recon.view(batch, heads, groups, kf, dim)
 
     def append(self, x: torch.Tensor) -> None:
         batch, heads, new, dim = x.shape
@@ -190,20 +227,28 @@ class DeltaCodec(StreamCodec):
             recon[:, :, first_group:, 0] = dequantize(key)
             anchor[:, :, first_group:] = recon[:, :, first_group:, 0]
             self.keyframes = append_along_seq(self.keyframes, key)
-        coded: list[QuantizedTensor] = []
-        # Within a single group only the offsets of the new tokens need coding (one step per decoded token).
-        offsets = range(max(start, 1), start + new) if groups == 1 else range(1, kf)
-        for offset in offsets:
-            base = recon[:, :, :, offset - 1] if self.reference == "previous" else anchor
-            if start and offset == start and self.reference == "previous":
-                # The first group continues a group begun in an earlier call: its reference is the last token.
-                base = torch.cat([self.reference_state, base[:, :, 1:]], dim=2)
-            q, recon[:, :, :, offset] = self._code_delta(slots[:, :, :, offset], base, long_term[:, :, :, offset])
-            coded.append(q)
+        stacked = None  # QuantizedTensor [B, H, groups, len(offsets), ...]
+        if start == 0 and kf > 1 and self._kernel_block(x) is not None:
+            # Whole groups from their keyframes: the fused closed-loop kernel, parallel over streams and groups.
+            offsets = range(1, kf)
+            stacked, recon = self._encode_groups(slots, long_term, recon[:, :, :, 0])
+        else:
+            coded: list[QuantizedTensor] = []
+            # Within a single group only the offsets of the new tokens need coding (one step per decoded token).
+            offsets = range(max(start, 1), start + new) if groups == 1 else range(1, kf)
+            for offset in offsets:
+                base = recon[:, :, :, offset - 1] if self.reference == "previous" else anchor
+                if start and offset == start and self.reference == "previous":
+                    # The first group continues a group begun in an earlier call: its reference is the last token.
+                    base = torch.cat([self.reference_state, base[:, :, 1:]], dim=2)
+                long = long_term[:, :, :, offset]
+                q, recon[:, :, :, offset] = self._code_delta(slots[:, :, :, offset], base, long)
+                coded.append(q)
+            if coded:
+                stacked = QuantizedTensor.cat([c.map(lambda t: t.unsqueeze(3)) for c in coded], dim=3)
 
-        if coded:
+        if stacked is not None:
             # Gather the delta tokens of this chunk in sequence order: slot (group, offset) for the coded offsets.
-            stacked = QuantizedTensor.cat([c.map(lambda t: t.unsqueeze(3)) for c in coded], dim=3)
             flat = stacked.map(lambda t: t.flatten(2, 3))
             offset_index = torch.tensor(list(offsets), device=x.device)
             position = (torch.arange(groups, device=x.device)[:, None] * kf + offset_index).flatten()

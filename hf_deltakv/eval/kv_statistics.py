@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..cache import model_layer_types
 from ..codecs.rotation import rotate
 from ..rope import RopeInverter, find_rotary_embedding
 
@@ -42,10 +43,14 @@ def kv_streams(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[torch.Te
     """Per layer, (pre-RoPE keys, values) of `ids` [1, tokens], in fp32: what the codec is handed."""
     cache = DynamicCache()
     model(ids, cache=cache, use_cache=True)
-    rope = RopeInverter(find_rotary_embedding(model))
-    head_dim = cache.layers[0].keys.shape[-1]
-    cos, sin = rope.cos_sin(torch.arange(ids.shape[1]).unsqueeze(0), head_dim)
-    return [(rope.undo(layer.keys.float(), cos, sin), layer.values.float()) for layer in cache.layers]
+    rotary = find_rotary_embedding(model)
+    types = model_layer_types(model) or [None] * len(cache.layers)
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    streams = []
+    for layer, layer_type in zip(cache.layers, types, strict=True):
+        cos, sin = RopeInverter(rotary, layer_type).cos_sin(positions, layer.keys.shape[-1])
+        streams.append((RopeInverter(rotary).undo(layer.keys.float(), cos, sin), layer.values.float()))
+    return streams
 
 
 def layer_statistics(model: torch.nn.Module, ids: torch.Tensor, sinks: int = 4) -> list[dict[str, StreamStats]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-BUILTIN_TEXTS = ("python-docs", "stdlib-code", "wikitext2")
+BUILTIN_TEXTS = ("python-docs", "stdlib-code", "stdlib-code-train", "wikitext2")
 
 # A fixed list keeps the stdlib-code text identical across machines of the same Python version.
 STDLIB_MODULES = (
@@ -37,6 +37,31 @@ STDLIB_MODULES = (
 )
 
 
+# Disjoint from STDLIB_MODULES: code to train or calibrate on without touching the code we measure on.
+TRAIN_CODE_MODULES = (
+    "asyncio/base_events.py",
+    "collections/__init__.py",
+    "email/message.py",
+    "enum.py",
+    "ftplib.py",
+    "gettext.py",
+    "http/client.py",
+    "imaplib.py",
+    "json/decoder.py",
+    "locale.py",
+    "optparse.py",
+    "random.py",
+    "smtplib.py",
+    "tempfile.py",
+    "traceback.py",
+    "unittest/case.py",
+    "urllib/parse.py",
+    "uuid.py",
+    "weakref.py",
+    "xml/etree/ElementTree.py",
+)
+
+
 def python_docs() -> str:
     """Prose: the help topics of the Python documentation (`pydoc_data.topics`)."""
     from pydoc_data.topics import topics
@@ -44,10 +69,10 @@ def python_docs() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def stdlib_code() -> str:
-    """Code: sources of a fixed list of standard-library modules."""
+def stdlib_code(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
+    """Code: sources of a fixed list of standard-library modules (`TRAIN_CODE_MODULES` for training)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    parts = [(root / name).read_text(encoding="utf-8") for name in STDLIB_MODULES if (root / name).exists()]
+    parts = [(root / name).read_text(encoding="utf-8") for name in modules if (root / name).exists()]
     if not parts:
         raise FileNotFoundError(f"no standard-library sources found under {root}")
     return "\n\n".join(parts)
@@ -64,11 +89,13 @@ def wikitext2() -> str:
 
 
 def load_text(source: str) -> str:
-    """A built-in source name (`python-docs`, `stdlib-code`, `wikitext2`) or the path of a text file."""
+    """A built-in source name (`python-docs`, `stdlib-code`, `stdlib-code-train`, `wikitext2`) or a file path."""
     if source == "python-docs":
         return python_docs()
     if source == "stdlib-code":
         return stdlib_code()
+    if source == "stdlib-code-train":
+        return stdlib_code(TRAIN_CODE_MODULES)
     if source == "wikitext2":
         return wikitext2()
     path = Path(source)

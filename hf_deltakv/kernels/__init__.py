@@ -17,7 +17,15 @@ import torch
 from . import reference
 from .reference import skip_matvec
 
-__all__ = ["reference", "segmented_prefix_sum", "skip_matvec", "triton_available", "use_triton"]
+__all__ = [
+    "delta_encode_groups",
+    "dequantize_latent",
+    "reference",
+    "segmented_prefix_sum",
+    "skip_matvec",
+    "triton_available",
+    "use_triton",
+]
 
 
 @functools.cache
@@ -40,3 +48,23 @@ def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -
 
         return kernel(values, resets, dim)
     return reference.segmented_prefix_sum(values, resets, dim)
+
+
+def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
+    """Dispatching `reference.dequantize_latent` (residual reconstruction: packed groups to the latent)."""
+    if use_triton(packed.device):
+        from .triton.latent import dequantize_latent as kernel
+
+        return kernel(packed, scales, bits)
+    return reference.dequantize_latent(packed, scales, bits)
+
+
+def delta_encode_groups(
+    x: torch.Tensor, long_term: torch.Tensor | None, keyframes: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatching `reference.delta_encode_groups` (closed-loop delta coding of whole keyframe groups)."""
+    if use_triton(x.device):
+        from .triton.delta_encode import delta_encode_groups as kernel
+
+        return kernel(x, long_term, keyframes, block)
+    return reference.delta_encode_groups(x, long_term, keyframes, block)

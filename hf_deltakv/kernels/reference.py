@@ -9,7 +9,15 @@ import torch
 
 from ..quant import QuantizedTensor, dequantize, quantize
 
-__all__ = ["decode_attention", "dequantize", "quantize", "segmented_prefix_sum", "skip_matvec"]
+__all__ = [
+    "decode_attention",
+    "delta_encode_groups",
+    "dequantize",
+    "dequantize_latent",
+    "quantize",
+    "segmented_prefix_sum",
+    "skip_matvec",
+]
 
 
 def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
@@ -74,3 +82,58 @@ def decode_attention(
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return torch.einsum("bht,bhtd->bhd", scores.softmax(-1), v)
+
+
+def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
+    """The residual cache's latent from its packed groups (the first step of residual reconstruction).
+
+    Args:
+        packed: `uint8 [..., code_bytes]`: group after group, each of `GROUP` codes packed at its bit depth.
+        scales: `float16 [..., kept groups]`: one scale per group whose depth is not 0.
+        bits: bit depth of every latent group (0 = dropped, decodes as zeros).
+
+    Returns:
+        fp32 `[..., len(bits) * GROUP]`.
+    """
+    from ..quant.bitpack import GROUP, dequantize_group, unpack_bits
+
+    lead = packed.shape[:-1]
+    latent = torch.zeros(*lead, len(bits), GROUP, device=packed.device)
+    offset = kept = 0
+    for g, b in enumerate(bits):
+        if b:
+            nbytes = GROUP * b // 8
+            codes = unpack_bits(packed[..., offset : offset + nbytes], b)
+            latent[..., g, :] = dequantize_group(codes, scales[..., kept], b)
+            offset, kept = offset + nbytes, kept + 1
+    return latent.reshape(*lead, len(bits) * GROUP)
+
+
+def delta_encode_groups(
+    x: torch.Tensor, long_term: torch.Tensor | None, keyframes: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-loop delta coding of whole keyframe groups (what `DeltaCodec` does on a prefill), q4_0 arithmetic.
+
+    Args:
+        x: fp32 `[streams, groups, kf, dim]`; offset 0 of each group is its keyframe (not coded here).
+        long_term: fp32 like `x`: the intra reference of every token, or None for inter-only coding.
+        keyframes: fp32 `[streams, groups, dim]`: the keyframes' reconstructions, where each group's loop starts.
+        block: channels per block (16: `q4_0_16`, 32: `q4_0`).
+
+    Returns:
+        codes `uint8 [streams, groups, kf - 1, dim / block, block / 2]`, scales `float16 [..., dim / block]` (intra
+        flag in the lowest mantissa bit) and the reconstruction of every token `[streams, groups, kf, dim]`.
+    """
+    from ..codecs.delta import code_delta
+
+    fmt = {16: "q4_0_16", 32: "q4_0"}[block]
+    recon = [keyframes.float()]
+    streams, groups, kf, dim = x.shape
+    codes = x.new_empty(streams, groups, kf - 1, dim // block, block // 2, dtype=torch.uint8)
+    scales = x.new_empty(streams, groups, kf - 1, dim // block, dtype=torch.float16)
+    for offset in range(1, kf):
+        reference = long_term[:, :, offset] if long_term is not None else recon[-1]
+        q, rec = code_delta(x[:, :, offset], recon[-1], reference, fmt, long_term is not None)
+        codes[:, :, offset - 1], scales[:, :, offset - 1] = q.codes, q.scales
+        recon.append(rec)
+    return codes, scales, torch.stack(recon, dim=2)

@@ -1,5 +1,6 @@
-"""Cache layers: one model layer's packed storage."""
+"""Cache layers: one file per storage scheme, all on the shared `StreamLayer` base."""
 
-from .compressed import CompressedLayer, PositionLog
+from .base import PositionLog, StreamLayer
+from .compressed import CompressedLayer
 
-__all__ = ["CompressedLayer", "PositionLog"]
+__all__ = ["CompressedLayer", "PositionLog", "StreamLayer"]

@@ -1,34 +1,18 @@
-"""One model layer's compressed KV cache: sink tokens, optional pre-RoPE keys, and a codec per stream."""
+"""One model layer's compressed KV cache: a codec per stream (keys, values) after the sink tokens."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import StreamCodec
 from ..rope import RopeInverter
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    for name, t in (("key_states", key_states), ("value_states", value_states)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a float32, float16 or bfloat16 tensor, got {got}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, kv_heads, seq, head_dim], got shape {tuple(t.shape)}")
-    if key_states.shape[:3] != value_states.shape[:3]:
-        raise ValueError(f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} disagree")
+from .base import PositionLog, StreamLayer
 
 
-class CompressedLayer(CacheLayerMixin):
+class CompressedLayer(StreamLayer):
     """A full-attention cache layer whose keys and values live in packed codec storage.
-
-    `update` encodes the new tokens first and then returns the reconstruction of every cached token, the new ones
-    included, so attention always sees exactly what the cache stores.
 
     Args:
         key_codec: factory of the keys' codec.
@@ -38,10 +22,6 @@ class CompressedLayer(CacheLayerMixin):
         positions: a shared log of position ids (needed with `rope`), one per cache.
     """
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
     def __init__(
         self,
         key_codec: Callable[[], StreamCodec],
@@ -50,197 +30,32 @@ class CompressedLayer(CacheLayerMixin):
         rope: RopeInverter | None = None,
         positions: PositionLog | None = None,
     ) -> None:
-        super().__init__()
         self._make_key_codec, self._make_value_codec = key_codec, value_codec
-        self.sink_tokens = sink_tokens
-        self.rope = rope
-        self.positions = positions
-        self._clear()
+        super().__init__(sink_tokens, rope, positions)
 
-    def _clear(self) -> None:
+    def _clear_stream(self) -> None:
         self.key_codec = self._make_key_codec()
         self.value_codec = self._make_value_codec()
-        self.sink_keys = self.sink_values = None
-        self.cumulative_length = 0
-        self.is_initialized = False
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size = key_states.shape[0]
-        self.kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
-        self.value_dim = value_states.shape[3]
-        # Sinks are raw tokens: kept in the model's dtype, but at most 16 bits (an fp32 model's sinks go to fp16).
-        self.sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode the new tokens, then return reconstructed keys and values of all cached tokens.
-
-        Args:
-            key_states: new keys `[batch, kv_heads, new, head_dim]` (after RoPE, as models pass them).
-            value_states: new values `[batch, kv_heads, new, head_dim]`.
-            kwargs: may hold `position_ids` (directly or under `kwargs`), used for pre-RoPE coding.
-
-        Returns:
-            keys and values `[batch, kv_heads, cached + new, head_dim]` in the input dtype.
-        """
-        _check_states(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        elif (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
-            self.batch_size,
-            self.kv_heads,
-            self.head_dim,
-        ):
-            raise ValueError(
-                f"new keys {tuple(key_states.shape)} do not match the cached batch {self.batch_size}, "
-                f"{self.kv_heads} heads and head_dim {self.head_dim}"
-            )
-        start, new = self.cumulative_length, key_states.shape[2]
+    def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
+        keys = keys.float()
         if self.rope is not None:
-            self.positions.record(start, new, _position_ids(kwargs, start, new, key_states))
+            keys = self.rope.undo(keys, *self._cos_sin(begin, begin + keys.shape[2]))
+        self.key_codec.append(keys)
+        self.value_codec.append(values.float())
 
-        sink_new = min(max(self.sink_tokens - start, 0), new)
-        if sink_new:
-            sk, sv = key_states[:, :, :sink_new].to(self.sink_dtype), value_states[:, :, :sink_new].to(self.sink_dtype)
-            self.sink_keys = sk.clone() if self.sink_keys is None else torch.cat([self.sink_keys, sk], dim=2)
-            self.sink_values = sv.clone() if self.sink_values is None else torch.cat([self.sink_values, sv], dim=2)
-        if new > sink_new:
-            keys = key_states[:, :, sink_new:].float()
-            if self.rope is not None:
-                cos, sin = self._cos_sin(start + sink_new, start + new)
-                keys = self.rope.undo(keys, cos, sin)
-            self.key_codec.append(keys)
-            self.value_codec.append(value_states[:, :, sink_new:].float())
-        self.cumulative_length += new
-        return self.reconstruct()
+    def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.key_codec.length:
+            return None
+        keys = self.key_codec.decode()
+        if self.rope is not None:
+            sinks = self.cumulative_length - keys.shape[2]
+            keys = self.rope.redo(keys, *self._cos_sin(sinks, self.cumulative_length))
+        return keys, self.value_codec.decode()
 
-    def _cos_sin(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.cos_sin(self.positions.ids[:, begin:end], self.head_dim)
+    def _stream_nbytes(self) -> int:
+        return self.key_codec.nbytes() + self.value_codec.nbytes()
 
-    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (with RoPE, as attention reads them) and values of every cached token, as the cache stores them."""
-        keys_parts, value_parts = [], []
-        if self.sink_keys is not None:
-            keys_parts.append(self.sink_keys.to(self.dtype))
-            value_parts.append(self.sink_values.to(self.dtype))
-        if self.key_codec.length:
-            keys = self.key_codec.decode()
-            if self.rope is not None:
-                sinks = self.cumulative_length - keys.shape[2]
-                keys = self.rope.redo(keys, *self._cos_sin(sinks, self.cumulative_length))
-            keys_parts.append(keys.to(self.dtype))
-            value_parts.append(self.value_codec.decode().to(self.dtype))
-        return torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self._clear()
-
-    def nbytes(self) -> int:
-        """Bytes of all state this layer holds: packed codes, scales, sink tokens, closed-loop state."""
-        total = self.key_codec.nbytes() + self.value_codec.nbytes()
-        for t in (self.sink_keys, self.sink_values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
-
-    def num_elements(self) -> int:
-        """Number of cached key and value scalars."""
-        if not self.is_initialized:
-            return 0
-        return self.batch_size * self.kv_heads * self.cumulative_length * (self.head_dim + self.value_dim)
-
-    def bits_per_element(self) -> float:
-        """8 × nbytes / cached key and value scalars (0 when empty)."""
-        n = self.num_elements()
-        return 8 * self.nbytes() / n if n else 0.0
-
-    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if not self.is_initialized:
-            return
+    def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.key_codec.map_batch(fn)
         self.value_codec.map_batch(fn)
-        if self.sink_keys is not None:
-            self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
-        # The new batch size is whatever `fn` does to a batch dimension.
-        self.batch_size = fn(torch.empty(self.batch_size, 0, device=self.device)).shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder the batch for beam search (packed storage is reindexed, never re-encoded)."""
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device)] if isinstance(indices, torch.Tensor) else t[indices])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot crop: its packed history is not re-encoded (assisted decoding needs a "
-            "croppable cache such as DynamicCache)"
-        )
-
-    def offload(self) -> None:
-        """Offloading is not supported; the packed cache is already small."""
-
-    def prefetch(self) -> None:
-        """Offloading is not supported; nothing to prefetch."""
-
-
-def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> torch.Tensor:
-    """Position ids `[batch, new]` from the kwargs models pass to `Cache.update`, else `start, start + 1, ...`."""
-    ids = kwargs.get("position_ids")
-    if ids is None and isinstance(kwargs.get("kwargs"), dict):
-        ids = kwargs["kwargs"].get("position_ids")
-    if ids is None:
-        ids = torch.arange(start, start + new, device=like.device).unsqueeze(0)
-    ids = ids.to(like.device)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.shape[-1] != new:
-        raise ValueError(f"position_ids cover {ids.shape[-1]} tokens but {new} new tokens were given")
-    return ids.expand(like.shape[0], new)
-
-
-class PositionLog:
-    """Position ids of every cached token, shared by all layers of a cache (int32 `[batch, seq]`).
-
-    Pre-RoPE coding needs each token's position to rotate its reconstruction forward again; the first layer to see
-    a token records it, so the cost is paid once per cache, not once per layer.
-    """
-
-    def __init__(self) -> None:
-        self.ids: torch.Tensor | None = None
-
-    def record(self, start: int, new: int, ids: torch.Tensor) -> None:
-        have = 0 if self.ids is None else self.ids.shape[1]
-        if have >= start + new:
-            return
-        if have != start:
-            raise ValueError(f"position log holds {have} tokens but a layer appended at {start}")
-        ids = ids.to(torch.int32)
-        self.ids = ids.clone() if self.ids is None else torch.cat([self.ids, ids], dim=1)
-
-    def nbytes(self) -> int:
-        return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.ids is not None:
-            self.ids = fn(self.ids)
-
-    def reset(self) -> None:
-        self.ids = None

@@ -1,0 +1,172 @@
+"""One model layer of the learned residual cache: sinks, references, residual codes and a raw recent window.
+
+Storage, per layer (all counted by `nbytes`):
+- the first `sink_tokens` tokens and the last `window` tokens raw, keys after RoPE as the model gave them;
+- every `stride`-th token after the sinks a reference: pre-RoPE key and value (heads concatenated) in
+  `reference_format`;
+- every other token that has left the window: packed latent codes of its residual against the mean of its
+  `top_k` nearest earlier references, fp16 group scales, and the ids of those references (int16).
+Tokens are compressed when they slide out of the window, in order, so their references already exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..quant import QuantizedTensor
+from ..residual.codec import decode_residuals, encode_residuals
+from ..residual.compressor import LayerCompressor
+from ..residual.references import is_reference, load_references, reference_mean, store_references, token_bases
+from ..rope import RopeInverter
+from .base import PositionLog, StreamLayer
+
+
+def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """`[batch, heads, n, dim]` -> `[batch, n, heads * dim]`."""
+    batch, heads, n, dim = x.shape
+    return x.permute(0, 2, 1, 3).reshape(batch, n, heads * dim)
+
+
+def tokens_to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[batch, n, heads * dim]` -> `[batch, heads, n, dim]`."""
+    batch, n, width = x.shape
+    return x.reshape(batch, n, heads, width // heads).permute(0, 2, 1, 3)
+
+
+class ResidualLayer(StreamLayer):
+    """Cache layer storing tokens as learned residual codes against long-range references.
+
+    Args:
+        compressor: this layer's trained encoder/decoder.
+        bits: bit depth of each latent group (0 = dropped).
+        stride, top_k, window, reference_format: see `ResidualConfig`.
+        sink_tokens, rope, positions: see `StreamLayer`.
+    """
+
+    def __init__(
+        self,
+        compressor: LayerCompressor,
+        bits: list[int],
+        stride: int,
+        top_k: int,
+        window: int,
+        reference_format: str,
+        sink_tokens: int = 0,
+        rope: RopeInverter | None = None,
+        positions: PositionLog | None = None,
+    ) -> None:
+        self.compressor, self.bits = compressor, bits
+        self.stride, self.top_k, self.window, self.reference_format = stride, top_k, window, reference_format
+        super().__init__(sink_tokens, rope, positions)
+
+    def _clear_stream(self) -> None:
+        self.window_keys = self.window_values = None  # raw, [B, H, <= window, D]
+        self.references: QuantizedTensor | None = None  # [B, R, 2 * H * D]
+        self.codes = self.scales = self.reference_ids = None  # [B, C, bytes], [B, C, groups], [B, C, top_k]
+        self.compressed = 0  # tokens after the sinks that have left the window
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        expected = self.compressor.stream_dim
+        for name, t in (("keys", key_states), ("values", value_states)):
+            if t.shape[1] * t.shape[3] != expected:
+                raise ValueError(
+                    f"{name} have {t.shape[1]} heads of {t.shape[3]} channels, but the residual compressor was "
+                    f"trained for {expected} channels per token: load the compressor trained for this model"
+                )
+
+    def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
+        keys, values = keys.to(self.sink_dtype), values.to(self.sink_dtype)
+        if self.window_keys is None:
+            self.window_keys, self.window_values = keys.clone(), values.clone()
+        else:
+            self.window_keys = torch.cat([self.window_keys, keys], dim=2)
+            self.window_values = torch.cat([self.window_values, values], dim=2)
+        overflow = self.window_keys.shape[2] - self.window
+        if overflow > 0:
+            self._compress(overflow)
+
+    def _compress(self, n: int) -> None:
+        """Move the oldest `n` window tokens into reference or residual storage."""
+        keys, values = self.window_keys[:, :, :n].float(), self.window_values[:, :, :n].float()
+        self.window_keys = self.window_keys[:, :, n:].contiguous()
+        self.window_values = self.window_values[:, :, n:].contiguous()
+        # Tokens leave the window during an update, before cumulative_length counts the new ones; the sinks are full.
+        begin = self.sink_tokens + self.compressed
+        if self.rope is not None:
+            keys = self.rope.undo(keys, *self._cos_sin(begin, begin + n))
+        x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)
+        index = torch.arange(self.compressed, self.compressed + n, device=x.device)
+        refs = is_reference(index, self.stride)
+        if refs.any():
+            stored = store_references(x[:, refs], self.reference_format)
+            self.references = stored if self.references is None else QuantizedTensor.cat([self.references, stored], 1)
+        others = ~refs
+        if others.any():
+            ids, base = self._bases(x[:, others], index[others])
+            dim = self.compressor.stream_dim
+            residual = x[:, others] - base
+            packed, scales = encode_residuals(self.compressor, self.bits, residual[..., :dim], residual[..., dim:])
+            self.codes = packed if self.codes is None else torch.cat([self.codes, packed], dim=1)
+            self.scales = scales if self.scales is None else torch.cat([self.scales, scales], dim=1)
+            if ids is not None:
+                ids = ids.to(torch.int16)
+                self.reference_ids = ids if self.reference_ids is None else torch.cat([self.reference_ids, ids], 1)
+        self.compressed += n
+
+    def _bases(self, x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        refs = None if self.references is None else load_references(self.references)
+        ref_index = torch.arange(0 if refs is None else refs.shape[1], device=x.device) * self.stride
+        return token_bases(x, index, refs, ref_index, self.top_k)
+
+    def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        keys_parts, value_parts = [], []
+        if self.compressed:
+            dim = self.compressor.stream_dim
+            x = torch.empty(self.batch_size, self.compressed, 2 * dim, device=self.device)
+            is_ref = is_reference(torch.arange(self.compressed, device=self.device), self.stride)
+            if self.references is not None:
+                refs = load_references(self.references)
+                x[:, is_ref] = refs
+            if self.codes is not None:
+                residual_k, residual_v = decode_residuals(self.compressor, self.bits, self.codes, self.scales)
+                coded = torch.cat([residual_k, residual_v], dim=-1)
+                if self.reference_ids is not None:
+                    coded = coded + reference_mean(refs, self.reference_ids.long())
+                x[:, ~is_ref] = coded
+            keys = tokens_to_heads(x[..., :dim], self.kv_heads)
+            if self.rope is not None:
+                begin = self.sink_tokens
+                keys = self.rope.redo(keys, *self._cos_sin(begin, begin + self.compressed))
+            keys_parts.append(keys)
+            value_parts.append(tokens_to_heads(x[..., dim:], self.kv_heads))
+        if self.window_keys is not None and self.window_keys.shape[2]:
+            keys_parts.append(self.window_keys.float())
+            value_parts.append(self.window_values.float())
+        if not keys_parts:
+            return None
+        return torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
+
+    def _stored(self) -> list:
+        return [self.window_keys, self.window_values, self.references, self.codes, self.scales, self.reference_ids]
+
+    def _stream_nbytes(self) -> int:
+        total = 0
+        for t in self._stored():
+            if isinstance(t, QuantizedTensor):
+                total += t.nbytes()
+            elif t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.window_keys is not None:
+            self.window_keys, self.window_values = fn(self.window_keys), fn(self.window_values)
+        if self.references is not None:
+            self.references = self.references.map(fn)
+        if self.codes is not None:
+            self.codes, self.scales = fn(self.codes), fn(self.scales)
+        if self.reference_ids is not None:
+            self.reference_ids = fn(self.reference_ids)

@@ -1,0 +1,217 @@
+"""ResidualKVCache: packed codes, causal references, exact raw tokens, checkpoints, refusals, training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_deltakv import ResidualKVCache
+from hf_deltakv.quant.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
+from hf_deltakv.residual import load_compressor, save_compressor
+from hf_deltakv.residual.references import nearest_references
+from hf_deltakv.residual.train import TrainConfig, train_residual
+from hf_deltakv.residual.window import Layout, code_window
+
+from .conftest import tiny_compressor, tiny_model
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from(BIT_DEPTHS), rows=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_bit_packing_round_trips_and_error_is_half_a_step(bits, rows, seed):
+    x = torch.randn(rows, GROUP, generator=torch.Generator().manual_seed(seed)) * (seed % 7 + 0.1)
+    codes, scales = quantize_group(x, bits)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, GROUP * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits), codes.to(torch.int32))
+    error = (dequantize_group(unpack_bits(packed, bits), scales, bits) - x).abs()
+    assert (error <= scales.float().unsqueeze(-1) * 0.5 + 1e-3 * x.abs().amax()).all()
+
+
+def test_bad_bit_depth_is_refused():
+    with pytest.raises(ValueError, match="bit depth"):
+        pack_bits(torch.zeros(GROUP, dtype=torch.uint8), 7)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 40), stride=st.integers(1, 6), k=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_references_are_never_from_the_future(n, stride, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.arange(n)
+    ref_index = index[index % stride == 0]
+    x = torch.randn(1, n, 8, generator=g)
+    ids = nearest_references(x, index, x[:, ref_index], ref_index, k)
+    chosen = torch.where(ids >= 0, ref_index[ids.clamp_min(0)], -1)
+    assert (chosen <= index.view(1, -1, 1)).all()
+    assert (ids[..., 0] >= 0).all()  # stream index 0 is a reference, so every token has one
+
+
+def _feed(model, ids, cache):
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    return cache
+
+
+def test_coded_tokens_do_not_depend_on_later_tokens():
+    model = tiny_model("llama")
+    compressor = tiny_compressor(model)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    short = _feed(model, ids[:, :25], ResidualKVCache(model=model, compressor=compressor))
+    long = _feed(model, ids, ResidualKVCache(model=model, compressor=compressor))
+    coded = short.layers[1].compressed + short.sink_tokens
+    for a, b in zip(short.layers[1].reconstruct(), long.layers[1].reconstruct(), strict=True):
+        torch.testing.assert_close(a[:, :, :coded], b[:, :, :coded])
+
+
+def test_token_by_token_equals_one_shot():
+    model = tiny_model("llama")
+    compressor = tiny_compressor(model)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(6))
+    whole = _feed(model, ids, ResidualKVCache(model=model, compressor=compressor))
+    steps = ResidualKVCache(model=model, compressor=compressor)
+    for t in range(20):
+        _feed(model, ids[:, t : t + 1], steps)
+    assert whole.nbytes() == steps.nbytes()
+    for a, b in zip(whole.layers[0].reconstruct(), steps.layers[0].reconstruct(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_raw_tokens_are_reconstructed_exactly():
+    model = tiny_model("llama", torch.bfloat16)
+    compressor = tiny_compressor(model)
+    cache = ResidualKVCache(model=model, compressor=compressor, reference_format="f16")
+    keys, values = torch.randn(2, 1, 15, 32, dtype=torch.bfloat16), torch.randn(2, 1, 15, 32, dtype=torch.bfloat16)
+    out_k, out_v = cache.update(keys, values, 0)
+    sinks, window = cache.sink_tokens, cache.window
+    raw = list(range(sinks)) + list(range(15 - window, 15))
+    assert torch.equal(out_k[:, :, raw], keys[:, :, raw]) and torch.equal(out_v[:, :, raw], values[:, :, raw])
+    refs = [sinks + i for i in range(0, 15 - sinks - window, cache.stride)]
+    torch.testing.assert_close(out_v[:, :, refs], values[:, :, refs])  # f16 references: raw up to bf16->fp16
+    torch.testing.assert_close(out_k[:, :, refs], keys[:, :, refs], atol=3e-2, rtol=2e-2)  # through RoPE and back
+
+
+def test_storage_is_packed_and_counted():
+    model = tiny_model("llama")
+    compressor = tiny_compressor(model)
+    cache = ResidualKVCache(model=model, compressor=compressor)
+    cache.update(torch.randn(1, 1, 64, 32), torch.randn(1, 1, 64, 32), 0)
+    layer = cache.layers[0]
+    assert layer.codes.dtype == torch.uint8 and layer.scales.dtype == torch.float16
+    assert layer.reference_ids.dtype == torch.int16
+    coded = 64 - cache.sink_tokens - cache.window - layer.references.codes.shape[1]
+    assert layer.codes.shape[1] == coded
+    expected = coded * (compressor.code_bits(0) // 8 + 2 * cache.top_k)
+    expected += layer.references.nbytes() + 2 * 2 * (cache.sink_tokens + cache.window) * 32
+    assert layer.nbytes() == expected
+    assert cache.bits_per_element() == pytest.approx(8 * cache.nbytes() / (2 * 64 * 32))
+
+
+def test_code_window_matches_the_layer():
+    model = tiny_model("llama")
+    compressor = tiny_compressor(model)
+    cache = ResidualKVCache(model=model, compressor=compressor)
+    # fp16-representable inputs: the layer keeps raw tokens in fp16 before coding them as they leave the window
+    keys, values = torch.randn(1, 1, 30, 32).half().float(), torch.randn(1, 1, 30, 32).half().float()
+    got_k, got_v = cache.update(keys, values, 0)  # no position_ids: positions 0..29, RoPE undone then redone
+    layout = Layout(cache.stride, cache.top_k, cache.sink_tokens, cache.window, cache.reference_format)
+    rope = cache.layers[0].rope
+    cos, sin = rope.cos_sin(torch.arange(30).unsqueeze(0), 32)
+    with torch.no_grad():
+        want_k, want_v, error = code_window(
+            compressor.layers[0], compressor.config.bits[0], layout, rope.undo(keys, cos, sin), values
+        )
+    torch.testing.assert_close(got_k.float(), rope.redo(want_k, cos, sin), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got_v.float(), want_v, atol=1e-3, rtol=1e-3)
+    assert 0 < error.item() < 1
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path):
+    model = tiny_model("llama")
+    compressor = tiny_compressor(model)
+    save_compressor(compressor, tmp_path / "c", dtype=torch.float32)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["compressor.safetensors", "config.json"]
+    loaded = load_compressor(tmp_path / "c")
+    assert loaded.config == compressor.config
+    for a, b in zip(loaded.state_dict().values(), compressor.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    ids = torch.randint(3, 128, (1, 20))
+    a = _feed(model, ids, ResidualKVCache(model=model, compressor=compressor)).layers[0].reconstruct()[0]
+    b = _feed(model, ids, ResidualKVCache.from_pretrained(tmp_path / "c", model=model)).layers[0].reconstruct()[0]
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="trained for"):
+        ResidualKVCache(model=tiny_model("llama-mha"), compressor=compressor)  # other KV shape
+    other = tiny_model("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5)
+    with pytest.raises(ValueError, match="weights differ"):
+        ResidualKVCache(model=other, compressor=compressor)
+    with pytest.raises(ValueError, match="built-in compressor"):
+        ResidualKVCache(model=model, compressor=tmp_path / "missing")
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**config, "format_version": 99}))
+    with pytest.raises(ValueError, match="format"):
+        load_compressor(tmp_path / "c")
+
+
+def test_builtin_compressor_refuses_another_model():
+    with pytest.raises(ValueError, match="trained for"):
+        ResidualKVCache(model=tiny_model("llama"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stride": -1}, "stride"),
+        ({"top_k": 0}, "top_k"),
+        ({"window": -1}, "window"),
+        ({"sink_tokens": -2}, "sink_tokens"),
+        ({"reference_format": "q3"}, "format"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        ResidualKVCache(model=model, compressor=tiny_compressor(model), **kwargs)
+
+
+def test_wrong_shapes_and_dtypes_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="needs the model"):
+        ResidualKVCache(model=None)
+    cache = ResidualKVCache(model=model, compressor=tiny_compressor(model))
+    with pytest.raises(ValueError, match="channels per token"):
+        cache.update(torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4, 32), 0)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        cache.update(torch.ones(1, 1, 4, 32, dtype=torch.int32), torch.ones(1, 1, 4, 32), 0)
+
+
+def test_training_runs_resumes_and_generates(tmp_path):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (600,), generator=torch.Generator().manual_seed(0))
+    layout = Layout(stride=3, top_k=2, sink_tokens=2, window=3, reference_format="q8_0")
+    config = TrainConfig(steps=2, ctx=32, warmup=1, calibration_windows=2, save_every=1, rate=3.0)
+    train_residual(model, ids, tmp_path, config, layout, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "loss_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2] and all(r["loss"] > 0 for r in log if "loss" in r)
+    assert [r["step"] for r in log if "validation_kl" in r] == [0, 1, 2]
+    before = load_compressor(tmp_path / "checkpoint")
+    config.steps = 3
+    trained = train_residual(model, ids, tmp_path, config, layout, progress=False)  # resumes at step 2
+    steps = [json.loads(line) for line in (tmp_path / "loss_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [1, 2, 3]
+    assert not torch.equal(before.layers[0].key_encoder, trained.layers[0].key_encoder)
+    assert trained.config.training["steps_done"] == 3
+    out = model.generate(
+        ids[None, :12], max_new_tokens=6, do_sample=False, cache=ResidualKVCache(model=model, compressor=trained)
+    )
+    assert out.shape == (1, 18)
+
+
+def test_training_code_is_disjoint_from_the_code_we_measure_on():
+    from hf_deltakv.eval.texts import STDLIB_MODULES, TRAIN_CODE_MODULES
+
+    assert not set(TRAIN_CODE_MODULES) & set(STDLIB_MODULES)
