@@ -4,7 +4,7 @@ Each point is a compressor fitted (PCA + sensitivity-weighted bit allocation, no
 WikiText-2 valid, then measured on 4 windows of 1024 tokens of WikiText-2 test, one forward each. Bits per element
 are measured (references, their ids, sinks, window, codes and scales all counted).
 
-    python benchmarks/residual_tradeoff.py          # ~25 min on 2 CPU cores
+    python benchmarks/residual_tradeoff.py          # ~20 min on 2 CPU cores
 
 Writes benchmarks/results/residual_tradeoff.json and residual_tradeoff.png.
 """
@@ -25,8 +25,16 @@ from hf_deltakv.models import load_model
 from hf_deltakv.residual.fit import fit_compressor
 from hf_deltakv.residual.window import Layout
 
-# (latent rate, stride, top_k): the rate sweep without references, then references at the default rate
-POINTS = [(3.3, 0, 1), (3.8, 0, 1), (4.3, 0, 1), (4.8, 0, 1), (4.3, 16, 1), (4.3, 16, 4), (4.3, 8, 4)]
+# (latent rate, stride, top_k, sensitivity windows): the rate sweep without references; references at the default
+# rate; the default with bits spread evenly over layers instead of by measured sensitivity
+POINTS = [
+    (3.3, 0, 1, 2),
+    (3.8, 0, 1, 2),
+    (4.3, 0, 1, 2),
+    (4.3, 16, 1, 2),
+    (4.3, 16, 4, 2),
+    (4.3, 0, 1, 0),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         "delta (DeltaKVCache defaults)",
         perplexity(model, windows, lambda: DeltaKVCache(model=model), reference=reference.logprobs),
     )
-    for rate, stride, top_k in POINTS:
+    for rate, stride, top_k, sensitivity in POINTS:
         began = time.perf_counter()
         layout = Layout(stride=stride, top_k=top_k, sink_tokens=8, window=args.window, reference_format="q8_0")
-        compressor = fit_compressor(model, calibration, rate, layout)
+        compressor = fit_compressor(model, calibration, rate, layout, sensitivity_windows=sensitivity)
         result = perplexity(
             model, windows, lambda c=compressor: ResidualKVCache(model, c), reference=reference.logprobs
         )
@@ -110,11 +118,13 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    sweep = [r for r in payload["rows"] if r.get("stride") == 0]
+    sweep = [r for r in payload["rows"] if r.get("stride") == 0 and r.get("sensitivity_windows")]
     ax.plot([r["bits"] for r in sweep], [r["kl"] for r in sweep], "o-", label="residual, no references (rate sweep)")
     for r in payload["rows"]:
         if r.get("stride"):
             ax.plot(r["bits"], r["kl"], "s", label=f"residual, stride {r['stride']}, k={r['top_k']}")
+        elif r.get("sensitivity_windows") == 0:
+            ax.plot(r["bits"], r["kl"], "D", label="residual, bits spread evenly over layers")
         elif "stride" not in r:
             ax.plot(r["bits"], r["kl"], "^", color="black", label=r["name"])
     ax.set_xlabel("measured bits per element")

@@ -62,3 +62,28 @@ def test_greedy_generation_follows_the_uncompressed_model(real_model):
     assert torch.equal(out[0, : ids.shape[1] + 4], ref[0, : ids.shape[1] + 4])
     # ~45 tokens: the 4 raw sink tokens and the closed-loop state weigh more than at long contexts.
     assert cache.nbytes() < 0.5 * cache.fp16_nbytes()
+
+
+def test_residual_cache_is_under_29_percent_of_fp16_with_less_loss_than_rotated_q4_0(real_model, windows):
+    from hf_deltakv import ResidualKVCache
+
+    model, _ = real_model
+    reference = perplexity(model, windows, keep_logprobs=True)
+    rotated = perplexity(
+        model, windows, lambda: QuantizedKVCache("q4_0", "q4_0", rotate=True), reference=reference.logprobs
+    )
+    residual = perplexity(model, windows, lambda: ResidualKVCache(model=model), reference=reference.logprobs)
+    assert rotated.kl_divergence > 0.02  # the baseline really is lossy: the measurement can fail
+    assert residual.kl_divergence < rotated.kl_divergence / 2
+    assert residual.perplexity / reference.perplexity - 1 < 0.015
+    assert residual.bits_per_element <= 0.29 * 16
+
+
+def test_residual_cache_generates_like_the_uncompressed_model(real_model):
+    from hf_deltakv import ResidualKVCache
+
+    model, tokenizer = real_model
+    ids = tokenizer(load_text("python-docs")[:3000], return_tensors="pt").input_ids[:, :300]
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, cache=DynamicCache())
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, cache=ResidualKVCache(model=model))
+    assert torch.equal(out[0, : ids.shape[1] + 3], ref[0, : ids.shape[1] + 3])

@@ -3,9 +3,10 @@
 Storage, per layer (all counted by `nbytes`):
 - the first `sink_tokens` tokens and the last `window` tokens raw, keys after RoPE as the model gave them;
 - every `stride`-th token after the sinks a reference: pre-RoPE key and value (heads concatenated) in
-  `reference_format`;
+  `reference_format` (`stride=0`: no references);
 - every other token that has left the window: packed latent codes of its residual against the mean of its
-  `top_k` nearest earlier references, fp16 group scales, and the ids of those references (int16).
+  `top_k` nearest earlier references (against zero without references), fp16 group scales, and the ids of those
+  references (int16).
 Tokens are compressed when they slide out of the window, in order, so their references already exist.
 """
 
@@ -69,6 +70,7 @@ class ResidualLayer(StreamLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
+        self.compressor.to(key_states.device)  # shared by every cache built from it; a no-op once there
         expected = self.compressor.stream_dim
         for name, t in (("keys", key_states), ("values", value_states)):
             if t.shape[1] * t.shape[3] != expected:

@@ -186,4 +186,4 @@ def _build(signature: dict, latent_dim: int, bits, layout: Layout, states, train
     compressor = ResidualCompressor(config)
     for layer, state in zip(compressor.layers, states, strict=True):
         layer.load_state_dict(state)
-    return compressor
+    return compressor.requires_grad_(False)
