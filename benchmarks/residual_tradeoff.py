@@ -83,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             model, windows, lambda c=compressor: ResidualKVCache(model, c), reference=reference.logprobs
         )
         record(
-            f"residual rate={rate} stride={stride} k={top_k}",
+            f"residual rate={rate} stride={stride} k={top_k}" + ("" if sensitivity else ", even bits"),
             result,
             rate=rate,
             stride=stride,
             top_k=top_k,
+            sensitivity_windows=sensitivity,
             seconds=round(time.perf_counter() - began, 1),
         )
     payload = {
