@@ -119,17 +119,12 @@ def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads,
 @pytest.mark.parametrize("lead", [(1,), (2, 5)])
 def test_dequantize_latent_matches_reference(bits, lead):
     from hf_deltakv.kernels.triton.latent import dequantize_latent
-    from hf_deltakv.quant.bitpack import GROUP, pack_bits, quantize_group
+    from hf_deltakv.quant.bitpack import GROUP
+    from hf_deltakv.residual.codec import quantize_latent
 
     torch.manual_seed(len(bits) + len(lead))
-    latent = torch.randn(*lead, len(bits), GROUP, dtype=torch.bfloat16).float() * 3
-    packed, scales = [], []
-    for g, b in enumerate(bits):
-        if b:
-            codes, scale = quantize_group(latent[..., g, :], b)
-            packed.append(pack_bits(codes, b))
-            scales.append(scale)
-    packed, scales = torch.cat(packed, -1), torch.stack(scales, -1)
+    latent = torch.randn(*lead, len(bits) * GROUP, dtype=torch.bfloat16).float() * 3
+    packed, scales = quantize_latent(latent, bits)
     expected = reference.dequantize_latent(packed, scales, bits)
     torch.testing.assert_close(dequantize_latent(packed, scales, bits), expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="bit depths"):

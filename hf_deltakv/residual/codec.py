@@ -21,7 +21,12 @@ def encode_residuals(
     compressor: LayerCompressor, bits: list[int], key_residual: torch.Tensor, value_residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes `uint8 [..., code_bytes]` and scales `fp16 [..., kept groups]` of residuals `[..., dim]`."""
-    groups = _groups(compressor.encode(key_residual.float(), value_residual.float()))
+    return quantize_latent(compressor.encode(key_residual.float(), value_residual.float()), bits)
+
+
+def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and fp16 scales of a latent `[..., len(bits) * GROUP]` (the inverse of `dequantize_latent`)."""
+    groups = _groups(latent)
     packed, scales = [], []
     for g, b in enumerate(bits):
         if b:

@@ -15,26 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantize import q4_0_halves
+
 
 @triton.jit
-def _q4_0(lo, hi, cols, HALF: tl.constexpr):
-    """q4_0 of blocks given as halves `[NB, HALF]`: codes of each half (fp32 0..15) and the fp16 scale."""
-    a_lo = tl.abs(lo)
-    a_hi = tl.abs(hi)
-    m = tl.maximum(tl.max(a_lo, axis=1), tl.max(a_hi, axis=1))
-    first_lo = tl.min(tl.where(a_lo == m[:, None], cols[None, :], 2 * HALF), axis=1)
-    first_hi = tl.min(tl.where(a_hi == m[:, None], cols[None, :] + HALF, 2 * HALF), axis=1)
-    first = tl.minimum(first_lo, first_hi)
-    signed = tl.sum(tl.where(cols[None, :] == first[:, None], lo, 0.0), axis=1) + tl.sum(
-        tl.where(cols[None, :] + HALF == first[:, None], hi, 0.0), axis=1
-    )
-    d = tl.minimum(tl.maximum(signed / -8, -65504.0), 65504.0)
-    inv = tl.where(d == 0, 0.0, 1.0 / tl.where(d == 0, 1.0, d))
-    q_lo = tl.floor(lo * inv[:, None] + 8.5)
-    q_hi = tl.floor(hi * inv[:, None] + 8.5)
+def _code_against(x_lo, x_hi, base_lo, base_hi, cols, HALF: tl.constexpr):
+    """q4_0 of `x - base` (blocks as halves): clipped codes, fp16 scale and the reconstruction from that scale."""
+    q_lo, q_hi, d = q4_0_halves(x_lo - base_lo, x_hi - base_hi, cols, HALF)
     q_lo = tl.minimum(tl.maximum(tl.where(q_lo == q_lo, q_lo, 0.0), 0.0), 15.0)
     q_hi = tl.minimum(tl.maximum(tl.where(q_hi == q_hi, q_hi, 0.0), 0.0), 15.0)
-    return q_lo, q_hi, d.to(tl.float16)
+    scale = d.to(tl.float16)
+    step = scale.to(tl.float32)[:, None]
+    return q_lo, q_hi, scale, base_lo + (q_lo - 8.0) * step, base_hi + (q_hi - 8.0) * step
+
+
+@triton.jit
+def _sse(r_lo, r_hi, x_lo, x_hi):
+    return tl.sum((r_lo - x_lo) * (r_lo - x_lo), axis=1) + tl.sum((r_hi - x_hi) * (r_hi - x_hi), axis=1)
 
 
 @triton.jit
@@ -64,20 +61,12 @@ def _delta_encode_kernel(
         token = (group * kf + offset) * dim
         x_lo = tl.load(x_ptr + token + lo_at)
         x_hi = tl.load(x_ptr + token + hi_at)
-        q_lo, q_hi, scale = _q4_0(x_lo - rec_lo, x_hi - rec_hi, cols, HALF)
-        step = scale.to(tl.float32)[:, None]
-        new_lo = rec_lo + (q_lo - 8.0) * step
-        new_hi = rec_hi + (q_hi - 8.0) * step
+        q_lo, q_hi, scale, new_lo, new_hi = _code_against(x_lo, x_hi, rec_lo, rec_hi, cols, HALF)
         if INTRA:
             l_lo = tl.load(long_ptr + token + lo_at)
             l_hi = tl.load(long_ptr + token + hi_at)
-            i_lo, i_hi, i_scale = _q4_0(x_lo - l_lo, x_hi - l_hi, cols, HALF)
-            i_step = i_scale.to(tl.float32)[:, None]
-            r_lo = l_lo + (i_lo - 8.0) * i_step
-            r_hi = l_hi + (i_hi - 8.0) * i_step
-            sse_inter = tl.sum((new_lo - x_lo) * (new_lo - x_lo), axis=1) + tl.sum((new_hi - x_hi) * (new_hi - x_hi), 1)
-            sse_intra = tl.sum((r_lo - x_lo) * (r_lo - x_lo), axis=1) + tl.sum((r_hi - x_hi) * (r_hi - x_hi), 1)
-            use_intra = sse_intra < sse_inter
+            i_lo, i_hi, i_scale, r_lo, r_hi = _code_against(x_lo, x_hi, l_lo, l_hi, cols, HALF)
+            use_intra = _sse(r_lo, r_hi, x_lo, x_hi) < _sse(new_lo, new_hi, x_lo, x_hi)
             q_lo = tl.where(use_intra[:, None], i_lo, q_lo)
             q_hi = tl.where(use_intra[:, None], i_hi, q_hi)
             scale = tl.where(use_intra, i_scale, scale)

@@ -31,6 +31,24 @@ def _reciprocal(d):
 
 
 @triton.jit
+def q4_0_halves(lo, hi, cols, HALF: tl.constexpr):
+    """q4_0 of blocks given as halves `[rows, HALF]`: unclipped codes of each half (fp32) and the fp32 scale
+    (signed value of largest magnitude / -8, first one on ties as torch.argmax, saturated to the fp16 range)."""
+    a_lo = tl.abs(lo)
+    a_hi = tl.abs(hi)
+    m = tl.maximum(tl.max(a_lo, axis=1), tl.max(a_hi, axis=1))
+    idx_lo = tl.min(tl.where(a_lo == m[:, None], cols[None, :], 2 * HALF), axis=1)
+    idx_hi = tl.min(tl.where(a_hi == m[:, None], cols[None, :] + HALF, 2 * HALF), axis=1)
+    idx = tl.minimum(idx_lo, idx_hi)
+    v = tl.sum(tl.where(cols[None, :] == idx[:, None], lo, 0.0), axis=1) + tl.sum(
+        tl.where(cols[None, :] + HALF == idx[:, None], hi, 0.0), axis=1
+    )
+    d = tl.minimum(tl.maximum(v / -8, -65504.0), 65504.0)
+    inv = _reciprocal(d)
+    return tl.floor(lo * inv[:, None] + 8.5), tl.floor(hi * inv[:, None] + 8.5), d
+
+
+@triton.jit
 def _quantize_4bit_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, n_blocks, ASYMMETRIC: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr
 ):
@@ -55,20 +73,7 @@ def _quantize_4bit_kernel(
         q_hi = tl.floor((hi_half - lo[:, None]) * inv[:, None] + 0.5)
         tl.store(mins_ptr + rows, tl.where(finite, lo, float("nan")).to(tl.float16), mask=rows < n_blocks)
     else:
-        # signed value of largest magnitude, first one on ties (as torch.argmax)
-        a_lo = tl.abs(lo_half)
-        a_hi = tl.abs(hi_half)
-        m = tl.maximum(tl.max(a_lo, axis=1), tl.max(a_hi, axis=1))
-        idx_lo = tl.min(tl.where(a_lo == m[:, None], cols[None, :], 2 * HALF), axis=1)
-        idx_hi = tl.min(tl.where(a_hi == m[:, None], cols[None, :] + HALF, 2 * HALF), axis=1)
-        idx = tl.minimum(idx_lo, idx_hi)
-        v = tl.sum(tl.where(cols[None, :] == idx[:, None], lo_half, 0.0), axis=1) + tl.sum(
-            tl.where(cols[None, :] + HALF == idx[:, None], hi_half, 0.0), axis=1
-        )
-        d = tl.minimum(tl.maximum(v / -8, -65504.0), 65504.0)
-        inv = _reciprocal(d)
-        q_lo = tl.floor(lo_half * inv[:, None] + 8.5)
-        q_hi = tl.floor(hi_half * inv[:, None] + 8.5)
+        q_lo, q_hi, d = q4_0_halves(lo_half, hi_half, cols, HALF)
     q_lo = tl.minimum(tl.maximum(tl.where(q_lo == q_lo, q_lo, 0.0), 0.0), 15.0).to(tl.uint8)
     q_hi = tl.minimum(tl.maximum(tl.where(q_hi == q_hi, q_hi, 0.0), 0.0), 15.0).to(tl.uint8)
     tl.store(codes_ptr + rows[:, None] * HALF + cols[None, :], q_lo | (q_hi << 4), mask=mask)
