@@ -20,6 +20,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half form, as `transformers` applies it."""
+    return x * cos + _rotate_half(x) * sin
+
+
 def find_rotary_embedding(model: nn.Module) -> nn.Module | None:
     """The model's rotary embedding module (the one `*RotaryEmbedding` called with `(x, position_ids)`)."""
     for module in model.modules():
@@ -58,4 +63,4 @@ class RopeInverter:
         return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
 
     def redo(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
+        return apply_rope(x, cos, sin)

@@ -26,9 +26,16 @@ class StreamCodec(ABC):
     def append(self, x: torch.Tensor) -> None:
         """Encode new tokens `x` `[batch, heads, new, dim]` (fp32) after those already stored."""
 
-    @abstractmethod
     def decode(self) -> torch.Tensor:
         """Reconstruct every stored token, `[batch, heads, length, dim]` in fp32."""
+        return self.decode_range(0, self.length)
+
+    @abstractmethod
+    def decode_range(self, start: int, end: int) -> torch.Tensor:
+        """Reconstruct tokens `start <= t < end` only, `[batch, heads, end - start, dim]` in fp32.
+
+        What attention reads chunk by chunk, so that no full-precision copy of the whole history is ever built.
+        """
 
     @abstractmethod
     def state_names(self) -> tuple[str, ...]:
@@ -53,6 +60,18 @@ class StreamCodec(ABC):
                 setattr(self, name, value.map(fn))
             elif isinstance(value, torch.Tensor):
                 setattr(self, name, fn(value))
+
+
+def check_range(start: int, end: int, length: int) -> None:
+    if not 0 <= start <= end <= length:
+        raise ValueError(f"token range [{start}, {end}) is outside the {length} stored tokens")
+
+
+def slice_seq(state: State, start: int, end: int) -> State:
+    """Tokens `start:end` along the sequence dimension (2) of a tensor or `QuantizedTensor`."""
+    if isinstance(state, QuantizedTensor):
+        return state.map(lambda t: t[:, :, start:end])
+    return state[:, :, start:end]
 
 
 def append_along_seq(stored: State, new: State) -> State:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import dequantize, get_format, quantize
-from .base import StreamCodec, append_along_seq
+from .base import StreamCodec, append_along_seq, check_range, slice_seq
 
 
 class ChannelGroupCodec(StreamCodec):
@@ -45,11 +45,14 @@ class ChannelGroupCodec(StreamCodec):
         self.tail = pending[:, :, full:].contiguous()
         self.length += x.shape[2]
 
-    def decode(self) -> torch.Tensor:
+    def decode_range(self, start: int, end: int) -> torch.Tensor:
+        check_range(start, end, self.length)
+        coded = self.length - self.tail.shape[2]
+        first, last = start // self.group, min(-(-end // self.group), coded // self.group)
         parts = []
-        if self.groups is not None:
-            blocks = dequantize(self.groups)  # [B, H, G, D, group]
+        if last > first:
+            blocks = dequantize(slice_seq(self.groups, first, last))  # [B, H, G, D, group]
             batch, heads, groups, dim, group = blocks.shape
             parts.append(blocks.transpose(3, 4).reshape(batch, heads, groups * group, dim))
         parts.append(self.tail.float())
-        return torch.cat(parts, dim=2)
+        return torch.cat(parts, dim=2)[:, :, start - first * self.group : end - first * self.group]

@@ -20,7 +20,7 @@ import torch
 
 from ..kernels import delta_encode_groups, segmented_prefix_sum, use_triton
 from ..quant import QuantizedTensor, dequantize, get_format, quantize
-from .base import StreamCodec, append_along_seq
+from .base import StreamCodec, append_along_seq, check_range, slice_seq
 
 REFERENCES = ("previous", "keyframe")
 FIRST_SNAPSHOT, LAST_GROWING, LATER_INTERVAL = 16, 1024, 2048
@@ -35,6 +35,13 @@ def snapshots_at_or_before(index: torch.Tensor) -> torch.Tensor:
     growing = (torch.log2(t.clamp(min=1).double() / FIRST_SNAPSHOT) / 2).floor().long() + 1
     later = 4 + (t - LAST_GROWING) // LATER_INTERVAL
     return torch.where(t < FIRST_SNAPSHOT, 0, torch.where(t < LAST_GROWING, growing, later))
+
+
+def snapshot_count(t: int) -> int:
+    """`snapshots_at_or_before` of one position, in Python integers (no tensor ops on the per-token path)."""
+    if t < LAST_GROWING:
+        return sum(t >= FIRST_SNAPSHOT * 4**k for k in range(3))
+    return 4 + (t - LAST_GROWING) // LATER_INTERVAL
 
 
 def _with_flags(q: QuantizedTensor, flags: torch.Tensor) -> QuantizedTensor:
@@ -152,8 +159,7 @@ class DeltaCodec(StreamCodec):
         """Record the mean snapshots due within this chunk (each from the tokens before its point)."""
         start, end = self.length, self.length + x.shape[2]
         before = self.running_sum if self.running_sum is not None else torch.zeros_like(x[:, :, :1])
-        counts = snapshots_at_or_before(torch.arange(start, end + 1))
-        points = (torch.nonzero(counts[1:] > counts[:-1]).squeeze(1) + start + 1).tolist()
+        points = [p for p in range(start + 1, end + 1) if snapshot_count(p) > snapshot_count(p - 1)]
         if points:
             sums = before + x.cumsum(dim=2)  # sums[:, :, i] = sum of tokens < start + i + 1
             snaps = torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2).to(torch.float16)
@@ -161,11 +167,20 @@ class DeltaCodec(StreamCodec):
         self.running_sum = before + x.sum(dim=2, keepdim=True)
 
     def _means_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The long-term reference of tokens at `positions`, `[B, H, len(positions), D]` in fp32."""
+        """The long-term reference of tokens at `positions`, `[B, H, len(positions), D]` in fp32.
+
+        Positions past the stream (the rest of an unfinished group) get the newest snapshot: they are never coded.
+        """
         batch, heads, _, dim = like.shape
-        if not self.mean_reference or self.means is None:
+        if not self.mean_reference or self.means is None or not positions.numel():
             return torch.zeros(batch, heads, positions.numel(), dim, device=like.device)
-        index = snapshots_at_or_before(positions) - 1
+        n, newest = positions.numel(), self.means.shape[2] - 1
+        first, last = (min(snapshot_count(int(positions[i])) - 1, newest) for i in (0, -1))
+        if first == last:  # one snapshot for all (a decoded token's group): a broadcast slice, no table rebuild
+            if first < 0:
+                return torch.zeros(batch, heads, n, dim, device=like.device)
+            return self.means[:, :, first : first + 1].float().expand(batch, heads, n, dim)
+        index = (snapshots_at_or_before(positions) - 1).clamp(max=newest)
         table = torch.cat([torch.zeros_like(self.means[:, :, :1]), self.means], dim=2).float()
         return table.index_select(2, (index + 1).to(table.device))
 
@@ -262,27 +277,31 @@ class DeltaCodec(StreamCodec):
             self.reference_state = recon.view(batch, heads, groups * kf, dim)[:, :, end : end + 1].clone()
         self.length += new
 
-    def decode(self) -> torch.Tensor:
-        n, kf = self.length, self.kf
-        keys = dequantize(self.keyframes)
+    def decode_range(self, start: int, end: int) -> torch.Tensor:
+        """Only the keyframe groups overlapping the range are decoded (each group decodes on its own)."""
+        check_range(start, end, self.length)
+        kf = self.kf
+        first, last = start // kf, -(-end // kf)
+        keys = dequantize(slice_seq(self.keyframes, first, last))
         batch, heads, groups, dim = keys.shape
         values = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=keys.device)
         values.view(batch, heads, groups, kf, dim)[:, :, :, 0] = keys
         flags = None
         if self.deltas is not None:
-            deltas = dequantize(self.deltas)
-            position = _delta_positions(deltas.shape[2], kf, keys.device)
+            stored = slice_seq(self.deltas, first * (kf - 1), last * (kf - 1))
+            deltas = dequantize(stored)
+            position = _delta_positions(deltas.shape[2], kf, keys.device)  # from the first group's keyframe
             if self.intra:
                 block = get_format(self.delta_format).block_size
-                token_flags = _expand_blocks(_flags(self.deltas), block, dim)
+                token_flags = _expand_blocks(_flags(stored), block, dim)
                 if self.mean_reference:
-                    deltas = deltas + token_flags * self._means_at(position, keys)
+                    deltas = deltas + token_flags * self._means_at(position + first * kf, keys)
                 flags = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.bool, device=keys.device)
                 flags[:, :, position] = token_flags
                 flags = flags.view(batch, heads, groups, kf, dim)
             values[:, :, position] = deltas
         recon = self._decode_groups(values.view(batch, heads, groups, kf, dim), flags)
-        return recon.reshape(batch, heads, groups * kf, dim)[:, :, :n]
+        return recon.reshape(batch, heads, groups * kf, dim)[:, :, start - first * kf : end - first * kf]
 
     def _decode_groups(self, values: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
         """values `[B, H, G, kf, D]`: keyframe at offset 0, then deltas (or long-term-coded values where `flags`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import dequantize, get_format, quantize
-from .base import StreamCodec, append_along_seq
+from .base import StreamCodec, append_along_seq, check_range, slice_seq
 
 
 class PlainCodec(StreamCodec):
@@ -27,5 +27,6 @@ class PlainCodec(StreamCodec):
         self.stored = append_along_seq(self.stored, quantize(x, self.fmt))
         self.length += x.shape[2]
 
-    def decode(self) -> torch.Tensor:
-        return dequantize(self.stored)
+    def decode_range(self, start: int, end: int) -> torch.Tensor:
+        check_range(start, end, self.length)
+        return dequantize(slice_seq(self.stored, start, end))

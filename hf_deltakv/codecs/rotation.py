@@ -66,5 +66,5 @@ class RotatedCodec(StreamCodec):
     def append(self, x: torch.Tensor) -> None:
         self.inner.append(rotate(x))
 
-    def decode(self) -> torch.Tensor:
-        return rotate(self.inner.decode(), inverse=True)
+    def decode_range(self, start: int, end: int) -> torch.Tensor:
+        return rotate(self.inner.decode_range(start, end), inverse=True)

@@ -23,6 +23,7 @@ __all__ = [
     "reference",
     "segmented_prefix_sum",
     "skip_matvec",
+    "stream_attention",
     "triton_available",
     "use_triton",
 ]
@@ -34,11 +35,48 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def forced_reference() -> bool:
+    """`HF_DELTAKV_KERNELS=reference`: every op runs its PyTorch reference."""
+    return os.environ.get("HF_DELTAKV_KERNELS", "").lower() == "reference"
+
+
 def use_triton(device: torch.device | str) -> bool:
     """Whether ops on `device` run as Triton kernels (see module docstring)."""
-    if os.environ.get("HF_DELTAKV_KERNELS", "").lower() == "reference":
-        return False
-    return torch.device(device).type == "cuda" and triton_available()
+    return not forced_reference() and torch.device(device).type == "cuda" and triton_available()
+
+
+def stream_attention(
+    query: torch.Tensor,
+    key_codec,
+    value_codec,
+    value_dim: int,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatching `reference.stream_attention` (attention read straight from a codec's packed storage).
+
+    On the CPU the compiled C++ kernel (`cpu/stream_attention.cpp`) serves plain and delta storage in q4_0, q4_1,
+    q8_0, f16 and their 16-wide variants, rotated or not; anything else, and every op when the kernel cannot be built,
+    runs the chunked reference.
+    """
+    if query.device.type == "cpu" and not forced_reference():
+        from ..codecs.layout import describe
+        from .cpu import extension
+
+        keys, values = describe(key_codec, query.shape[-1]), describe(value_codec, value_dim)
+        compiled = extension() if keys is not None and values is not None else None
+        if compiled is not None:
+            from .cpu.stream_attention import stream_attention as kernel
+
+            args = (cos, sin, mask, n_queries, causal_offset, scale, key_codec.length, value_dim, compiled)
+            return kernel(query, keys, values, *args)
+    return reference.stream_attention(
+        query, key_codec, value_codec, value_dim, cos, sin, mask, n_queries, causal_offset, scale
+    )
 
 
 def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:

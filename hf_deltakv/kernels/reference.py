@@ -17,6 +17,7 @@ __all__ = [
     "quantize",
     "segmented_prefix_sum",
     "skip_matvec",
+    "stream_attention",
 ]
 
 
@@ -137,3 +138,49 @@ def delta_encode_groups(
         codes[:, :, offset - 1], scales[:, :, offset - 1] = q.codes, q.scales
         recon.append(rec)
     return codes, scales, torch.stack(recon, dim=2)
+
+
+def stream_attention(
+    query: torch.Tensor,
+    key_codec,
+    value_codec,
+    value_dim: int,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+    chunk: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online-softmax statistics of attention over a codec-stored stream (what a cache layer holds after its sinks).
+
+    Args:
+        query: fp32 `[batch, kv_heads, group * n_queries, dim]`; row `g * n_queries + i` is query `i` of the kv
+            head's `g`-th query head.
+        key_codec, value_codec: `StreamCodec`s holding the same (non-zero) number of tokens.
+        value_dim: width of the values.
+        cos, sin: fp32 `[batch, tokens, dim]`: RoPE of every stored token (keys stored before RoPE), or None.
+        mask: bool `[batch, n_queries, tokens]`, True where query `i` may attend token `t`; None: causal, token `t`
+            is visible to query `i` when `t <= causal_offset + i`.
+        scale: softmax scale.
+        chunk: tokens reconstructed at a time (the bound on transient memory).
+
+    Returns:
+        acc `[batch, kv_heads, rows, value_dim]` (exp(score - max) times values, summed), max and sum
+        `[batch, kv_heads, rows]`.
+    """
+    from ..attention.chunked import OnlineSoftmax
+    from ..rope import apply_rope
+
+    batch, heads, rows, dim = query.shape
+    grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
+    state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + n_queries)
+    for start in range(0, key_codec.length, chunk):
+        end = min(start + chunk, key_codec.length)
+        keys = key_codec.decode_range(start, end)
+        if cos is not None:
+            keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
+        state.add(keys, value_codec.decode_range(start, end), start)
+    acc = state.acc.reshape(batch, heads, rows, value_dim)
+    return acc, state.max.reshape(batch, heads, rows), state.sum.reshape(batch, heads, rows)

@@ -7,11 +7,13 @@ model passes them), `_decode_stream` gives back keys with RoPE and values, `_str
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..attention.chunked import OnlineSoftmax
+from ..attention.interface import marker, reads_compressed
 from ..rope import RopeInverter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -77,7 +79,8 @@ class StreamLayer(CacheLayerMixin):
             kwargs: may hold `position_ids` (directly or under `kwargs`), used for pre-RoPE coding.
 
         Returns:
-            keys and values `[batch, kv_heads, cached + new, head_dim]` in the input dtype.
+            keys and values `[batch, kv_heads, cached + new, head_dim]` in the input dtype; inside
+            `hf_deltakv.compressed_attention`, empty markers instead (attention then calls `attend`).
         """
         _check_states(key_states, value_states)
         if not self.is_initialized:
@@ -103,10 +106,40 @@ class StreamLayer(CacheLayerMixin):
         if new > sink_new:
             self._append_stream(key_states[:, :, sink_new:], value_states[:, :, sink_new:], start + sink_new)
         self.cumulative_length += new
+        if reads_compressed():
+            return marker(self, key_states, self.head_dim), marker(self, value_states, self.value_dim)
         return self.reconstruct()
 
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Attention of `query` over every cached token, read from storage chunk by chunk (see `attention`).
+
+        Args:
+            query: `[batch, q_heads, n, head_dim]` (after RoPE).
+            mask: bool `[batch, 1 | q_heads, n, cached]`, True where allowed; None for causal.
+            scale: softmax scale.
+
+        Returns:
+            `[batch, q_heads, n, value_dim]` in fp32.
+        """
+        state = OnlineSoftmax(query, scale, mask, self.cumulative_length)
+        if self.sink_keys is not None:
+            state.add(self.sink_keys, self.sink_values)
+        self._attend_stream(state)
+        return state.result()
+
+    def _attend_stream(self, state: OnlineSoftmax) -> None:
+        """Fold the tokens after the sinks into `state` (subclasses may use a fused kernel here)."""
+        for keys, values in self._stream_chunks():
+            state.add(keys, values)
+
+    def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys (with RoPE) and values of the tokens after the sinks, in order, in chunks (default: one)."""
+        stream = self._decode_stream()
+        if stream is not None:
+            yield stream
+
     def _cos_sin(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.cos_sin(self.positions.ids[:, begin:end], self.head_dim)
+        return self.positions.cos_sin(self.rope, begin, end, self.head_dim)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (with RoPE, as attention reads them) and values of every cached token, as the cache stores them."""
@@ -229,6 +262,7 @@ class PositionLog:
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def record(self, start: int, new: int, ids: torch.Tensor) -> None:
         have = 0 if self.ids is None else self.ids.shape[1]
@@ -238,6 +272,26 @@ class PositionLog:
             raise ValueError(f"position log holds {have} tokens but a layer appended at {start}")
         ids = ids.to(torch.int32)
         self.ids = ids.clone() if self.ids is None else torch.cat([self.ids, ids], dim=1)
+        self._forget_table()
+
+    def cos_sin(self, rope: RopeInverter, begin: int, end: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin of tokens `begin:end`, computed once per step and shared by every layer that asks.
+
+        fp32 `[batch, 1, end - begin, head_dim]`, stored channel-major (what the CPU attention kernel reads). A
+        working buffer recomputed whenever positions change, not cache storage, so not counted in `nbytes`.
+        """
+        key = (id(rope.rotary_emb), tuple(sorted(rope.extra.items())), begin, end, head_dim)
+        if key not in self._tables:
+            if len(self._tables) >= 4:
+                self._tables.clear()
+            channel_major = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in rope.cos_sin(
+                self.ids[:, begin:end], head_dim
+            ))
+            self._tables[key] = tuple(channel_major)
+        return self._tables[key]
+
+    def _forget_table(self) -> None:
+        self._tables = {}
 
     def nbytes(self) -> int:
         return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
@@ -245,6 +299,8 @@ class PositionLog:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.ids is not None:
             self.ids = fn(self.ids)
+        self._forget_table()
 
     def reset(self) -> None:
         self.ids = None
+        self._forget_table()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from .. import kernels
+from ..attention.chunked import OnlineSoftmax
 from ..codecs.base import StreamCodec
 from ..rope import RopeInverter
 from .base import PositionLog, StreamLayer
+
+
+CHUNK_TOKENS = 512  # tokens reconstructed at a time when attention reads the cache (a multiple of common kf)
 
 
 class CompressedLayer(StreamLayer):
@@ -52,6 +57,39 @@ class CompressedLayer(StreamLayer):
             sinks = self.cumulative_length - keys.shape[2]
             keys = self.rope.redo(keys, *self._cos_sin(sinks, self.cumulative_length))
         return keys, self.value_codec.decode()
+
+    def _attend_stream(self, state: OnlineSoftmax) -> None:
+        """Through `kernels.stream_attention`: the fused kernel where one applies, else the chunked reference."""
+        stored = self.key_codec.length
+        if not stored:
+            return
+        if state.mask is not None and state.mask.shape[1] != 1:  # per-head masks: the generic chunked path
+            super()._attend_stream(state)
+            return
+        sinks = self.cumulative_length - stored
+        cos = sin = None
+        if self.rope is not None:
+            cos, sin = (t[:, 0] for t in self._cos_sin(sinks, self.cumulative_length))
+        batch, q_heads, n, dim = state.query.shape
+        group = q_heads // self.kv_heads
+        query = state.query.reshape(batch, self.kv_heads, group * n, dim)
+        mask = state.mask[:, 0, :, sinks:] if state.mask is not None else None
+        acc, maximum, total = kernels.stream_attention(
+            query, self.key_codec, self.value_codec, self.value_dim, cos, sin, mask, n,
+            self.cumulative_length - n - sinks, state.scale,
+        )
+        shape = (batch, self.kv_heads, group, n)
+        state.merge(acc.view(*shape, self.value_dim), maximum.view(shape), total.view(shape))
+
+    def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        stored = self.key_codec.length
+        sinks = self.cumulative_length - stored
+        for start in range(0, stored, CHUNK_TOKENS):
+            end = min(start + CHUNK_TOKENS, stored)
+            keys = self.key_codec.decode_range(start, end)
+            if self.rope is not None:
+                keys = self.rope.redo(keys, *self._cos_sin(sinks + start, sinks + end))
+            yield keys, self.value_codec.decode_range(start, end)
 
     def _stream_nbytes(self) -> int:
         return self.key_codec.nbytes() + self.value_codec.nbytes()

@@ -152,7 +152,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     out = values * q.scales.float().unsqueeze(-1)
     if q.mins is not None:
         out = out + q.mins.float().unsqueeze(-1)
-    return out.reshape(*out.shape[:-2], -1)[..., : q.dim].to(dtype)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])[..., : q.dim].to(dtype)
 
 
 QUANTIZERS = {

@@ -1,0 +1,106 @@
+"""Attention over a cache read in chunks, with an online softmax: the reference of every compressed-attention path.
+
+The history is never materialised in full precision: each chunk of keys and values is reconstructed, scored and
+folded into running (max, sum, weighted values) statistics, then dropped, so the transient memory is one chunk
+whatever the context length (flash-decoding's split-K combine, in plain PyTorch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class OnlineSoftmax:
+    """Running softmax-weighted sum of values over key chunks, for queries grouped by kv head (GQA).
+
+    Args:
+        query: `[batch, q_heads, n, dim]`; q_heads must be a multiple of the chunks' kv heads.
+        scale: softmax scale.
+        mask: bool `[batch, 1 or q_heads, n, kv_length]`, True where a query may attend a key; None means causal
+            with the `n` queries at the last `n` positions of `kv_length`.
+        kv_length: total number of keys the chunks will cover.
+    """
+
+    def __init__(self, query: torch.Tensor, scale: float, mask: torch.Tensor | None, kv_length: int) -> None:
+        self.batch, self.q_heads, self.n, self.dim = query.shape
+        self.query, self.scale, self.mask, self.kv_length = query.float(), scale, mask, kv_length
+        self.max = self.sum = self.acc = None
+        self.seen = 0
+
+    def _grouped(self, kv_heads: int) -> torch.Tensor:
+        if self.q_heads % kv_heads:
+            raise ValueError(f"{self.q_heads} query heads do not share {kv_heads} kv heads evenly")
+        return self.query.view(self.batch, kv_heads, self.q_heads // kv_heads, self.n, self.dim)
+
+    def _allowed(self, start: int, end: int, device: torch.device) -> torch.Tensor | None:
+        """bool `[batch, 1 | kv_heads, 1 | group, n, end - start]` or None when every key is visible."""
+        if self.mask is not None:
+            m = self.mask[..., start:end]
+            return m.view(m.shape[0], 1, 1, *m.shape[2:]) if m.shape[1] == 1 else m
+        if self.n == 1:
+            return None
+        query_pos = self.kv_length - self.n + torch.arange(self.n, device=device)
+        return (torch.arange(start, end, device=device)[None, :] <= query_pos[:, None])[None, None, None]
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, start: int | None = None) -> None:
+        """Fold in keys/values `[batch, kv_heads, c, dim]` at key positions `start, start + 1, ...` (default: next)."""
+        start = self.seen if start is None else start
+        end = start + keys.shape[2]
+        q = self._grouped(keys.shape[1])
+        scores = torch.einsum("bhgnd,bhtd->bhgnt", q, keys.float()) * self.scale
+        allowed = self._allowed(start, end, keys.device)
+        if allowed is not None:
+            if allowed.shape[1] == self.q_heads:
+                allowed = allowed.reshape(self.batch, keys.shape[1], -1, self.n, end - start)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        self._fold(scores.amax(-1), scores, values)
+        self.seen = max(self.seen, end)
+
+    def _fold(self, chunk_max: torch.Tensor, scores: torch.Tensor, values: torch.Tensor) -> None:
+        new_max = chunk_max if self.max is None else torch.maximum(self.max, chunk_max)
+        safe = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
+        p = torch.exp(scores - safe[..., None])
+        chunk_acc = torch.einsum("bhgnt,bhtd->bhgnd", p, values.float())
+        if self.max is None:
+            self.sum, self.acc = p.sum(-1), chunk_acc
+        else:
+            alpha = torch.exp(self.max - safe)
+            self.sum = self.sum * alpha + p.sum(-1)
+            self.acc = self.acc * alpha[..., None] + chunk_acc
+        self.max = new_max
+
+    def merge(self, acc: torch.Tensor, maximum: torch.Tensor, total: torch.Tensor) -> None:
+        """Fold in partial statistics computed elsewhere (a kernel): acc `[batch, kv_heads, group, n, dim]`,
+        max and sum `[batch, kv_heads, group, n]`, with acc and sum relative to that max."""
+        if self.max is None:
+            self.max, self.sum, self.acc = maximum, total, acc
+            return
+        new_max = torch.maximum(self.max, maximum)
+        safe = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
+        mine, theirs = torch.exp(self.max - safe), torch.exp(maximum - safe)
+        self.sum = self.sum * mine + total * theirs
+        self.acc = self.acc * mine[..., None] + acc * theirs[..., None]
+        self.max = new_max
+
+    def result(self) -> torch.Tensor:
+        """`[batch, q_heads, n, dim]` fp32; a query that saw no key gets zeros (as SDPA's masked rows do not)."""
+        if self.acc is None:
+            return self.query.new_zeros(self.query.shape)
+        out = self.acc / self.sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+        return out.reshape(self.batch, self.q_heads, self.n, out.shape[-1])
+
+
+def chunked_attention(
+    query: torch.Tensor,
+    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    mask: torch.Tensor | None,
+    kv_length: int,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale) v over `chunks` of (keys, values) in key order; see `OnlineSoftmax`."""
+    state = OnlineSoftmax(query, scale, mask, kv_length)
+    for keys, values in chunks:
+        state.add(keys, values)
+    return state.result()

@@ -1,0 +1,404 @@
+// Decode attention straight from packed codec storage on the CPU (one fused pass, no full-precision history).
+// Specification: hf_deltakv.kernels.reference.stream_attention (chunked reconstruction + online softmax).
+//
+// Work items are (batch, kv head, token range); token ranges start on keyframes, so each item runs the delta
+// codec's closed loop on its own. Per tile of tokens: reconstruct keys (keyframe + deltas or plain blocks), undo the
+// Hadamard rotation (fast Walsh-Hadamard transform), re-apply RoPE from a cos/sin table, score every query row that
+// shares the kv head (GQA), fold into an online softmax, and accumulate values still in their rotated basis (the
+// rotation is linear, so it is undone once on the accumulated rows). Items are merged with log-sum-exp at the end.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Format : int64_t { F16 = 0, Q4_SYM = 1, Q4_ASYM = 2, Q8 = 3 };
+constexpr int TILE = 32;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float half_to_float(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// Packed rows of one block format: row r of a [B, H, N, ...] tensor is (b * H + h) * N + i.
+struct Blocks {
+  const uint8_t* codes = nullptr;
+  const at::Half* scales = nullptr;
+  const at::Half* mins = nullptr;
+  int64_t format = F16, block = 1, n_blocks = 0, rows_per_head = 0;
+
+  Blocks() = default;
+  Blocks(const torch::Tensor& c, const torch::Tensor& s, const torch::Tensor& m, int64_t fmt, int64_t bs, int64_t dim)
+      : format(fmt), block(bs), n_blocks(dim / bs) {
+    codes = c.numel() ? c.data_ptr<uint8_t>() : nullptr;
+    scales = s.numel() ? s.data_ptr<at::Half>() : nullptr;
+    mins = m.numel() ? m.data_ptr<at::Half>() : nullptr;
+    rows_per_head = c.dim() > 2 ? c.size(2) : 0;
+  }
+
+  int64_t code_bytes() const { return format == Q8 ? block : block / 2; }
+
+  // Dequantize row `row` into out[dim]; returns the address of its scales (for the delta codec's flags).
+  const at::Half* row(int64_t row, float* out) const {
+    if (format == F16) {
+      const at::Half* h = reinterpret_cast<const at::Half*>(codes) + row * n_blocks;
+      for (int64_t i = 0; i < n_blocks; ++i) out[i] = static_cast<float>(h[i]);
+      return nullptr;
+    }
+    const int64_t bytes = code_bytes();
+    const uint8_t* c = codes + row * n_blocks * bytes;
+    const at::Half* s = scales + row * n_blocks;
+    const at::Half* m = mins ? mins + row * n_blocks : nullptr;
+    if (format == Q8) {
+      if (block == 32) return q8<32>(c, s, out);
+      return q8<16>(c, s, out);
+    }
+    if (block == 32) return q4<32>(c, s, m, out);
+    return q4<16>(c, s, m, out);
+  }
+
+  template <int BS>
+  const at::Half* q8(const uint8_t* c, const at::Half* s, float* out) const {
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const float scale = static_cast<float>(s[b]);
+      const int8_t* q = reinterpret_cast<const int8_t*>(c + b * BS);
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) out[b * BS + j] = static_cast<float>(q[j]) * scale;
+    }
+    return s;
+  }
+
+  template <int BS>
+  const at::Half* q4(const uint8_t* c, const at::Half* s, const at::Half* m, float* out) const {
+    constexpr int HALF = BS / 2;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const float scale = static_cast<float>(s[b]);
+      const uint8_t* cb = c + b * HALF;
+      float* o = out + b * BS;
+      if (m) {
+        const float low = static_cast<float>(m[b]);
+#pragma omp simd
+        for (int j = 0; j < HALF; ++j) {
+          o[j] = static_cast<float>(cb[j] & 0x0F) * scale + low;
+          o[j + HALF] = static_cast<float>(cb[j] >> 4) * scale + low;
+        }
+      } else {
+#pragma omp simd
+        for (int j = 0; j < HALF; ++j) {
+          o[j] = static_cast<float>((cb[j] & 0x0F) - 8) * scale;
+          o[j + HALF] = static_cast<float>((cb[j] >> 4) - 8) * scale;
+        }
+      }
+    }
+    return s;
+  }
+};
+
+// Mean snapshots that exist once a stream holds t tokens (codecs/delta.py: snapshots_at_or_before).
+inline int64_t snapshots(int64_t t) {
+  if (t < 1024) return (t >= 16) + (t >= 64) + (t >= 256);
+  return 4 + (t - 1024) / 2048;
+}
+
+// One stream (keys or values): plain blocks, or keyframes + closed-loop deltas; optionally Hadamard-rotated.
+struct Stream {
+  bool delta = false, intra = false;
+  int64_t kf = 1, rotation = 0, dim = 0, heads = 0;
+  Blocks plain, keyframes, deltas;
+  const at::Half* means = nullptr;
+  int64_t snapshot_rows = 0;
+
+  Stream(const std::vector<torch::Tensor>& t, const std::vector<int64_t>& meta, int64_t dim_, int64_t heads_)
+      : dim(dim_), heads(heads_) {
+    // meta: kind, rotation, format, block, [keyframe format, keyframe block, kf, intra]
+    delta = meta[0] == 1;
+    rotation = meta[1];
+    if (!delta) {
+      plain = Blocks(t[0], t[1], t[2], meta[2], meta[3], dim);
+      return;
+    }
+    deltas = Blocks(t[0], t[1], t[2], meta[2], meta[3], dim);
+    keyframes = Blocks(t[3], t[4], t[5], meta[4], meta[5], dim);
+    kf = meta[6];
+    intra = meta[7] != 0;
+    if (t[6].numel()) {
+      means = t[6].data_ptr<at::Half>();
+      snapshot_rows = t[6].size(2);
+    }
+  }
+
+  // Reconstruct token t of head bh into `out`; `running` carries the closed loop (unrotated basis).
+  void token(int64_t bh, int64_t t, float* running, float* out, float* scratch) const {
+    if (!delta) {
+      plain.row(bh * plain.rows_per_head + t, out);
+      return;
+    }
+    const int64_t offset = t % kf, group = t / kf;
+    if (offset == 0) {
+      keyframes.row(bh * keyframes.rows_per_head + group, running);
+    } else {
+      const at::Half* s = deltas.row(bh * deltas.rows_per_head + group * (kf - 1) + offset - 1, scratch);
+      if (!intra) {
+        for (int64_t c = 0; c < dim; ++c) running[c] += scratch[c];
+      } else {
+        const int64_t snap = snapshots(t) - 1;
+        const at::Half* mean = (means && snap >= 0) ? means + (bh * snapshot_rows + snap) * dim : nullptr;
+        const int64_t block = deltas.block;
+        for (int64_t b = 0; b < deltas.n_blocks; ++b) {
+          const bool flagged = (reinterpret_cast<const uint16_t*>(s)[b] & 1) != 0;
+          float* r = running + b * block;
+          const float* d = scratch + b * block;
+          if (!flagged) {
+            for (int64_t j = 0; j < block; ++j) r[j] += d[j];
+          } else if (mean) {
+            for (int64_t j = 0; j < block; ++j) r[j] = half_to_float(mean, b * block + j) + d[j];
+          } else {
+            for (int64_t j = 0; j < block; ++j) r[j] = d[j];
+          }
+        }
+      }
+    }
+    std::copy(running, running + dim, out);
+  }
+};
+
+// Orthonormal Walsh-Hadamard transform (its own inverse) over the channels of a channel-major tile x[D][TILE], in
+// blocks of `block` channels: every butterfly is a TILE-wide vector operation.
+template <int D>
+inline void hadamard_tile(float* x, int64_t block) {
+  if (!block) return;
+  const float norm = 1.0f / std::sqrt(static_cast<float>(block));
+  for (int64_t base = 0; base < D; base += block) {
+    for (int64_t h = 1; h < block; h *= 2) {
+      for (int64_t i = base; i < base + block; i += 2 * h) {
+        for (int64_t c = i; c < i + h; ++c) {
+          float* u = x + c * TILE;
+          float* w = x + (c + h) * TILE;
+#pragma omp simd
+          for (int j = 0; j < TILE; ++j) {
+            const float a = u[j], b = w[j];
+            u[j] = a + b;
+            w[j] = a - b;
+          }
+        }
+      }
+    }
+  }
+#pragma omp simd
+  for (int j = 0; j < D * TILE; ++j) x[j] *= norm;
+}
+
+// The same transform on one row x[D] (used once per output row for the values).
+inline void hadamard_row(float* x, int64_t dim, int64_t block) {
+  if (!block) return;
+  const float norm = 1.0f / std::sqrt(static_cast<float>(block));
+  for (int64_t base = 0; base < dim; base += block) {
+    for (int64_t h = 1; h < block; h *= 2)
+      for (int64_t i = base; i < base + block; i += 2 * h)
+        for (int64_t c = i; c < i + h; ++c) {
+          const float a = x[c], b = x[c + h];
+          x[c] = a + b;
+          x[c + h] = a - b;
+        }
+  }
+  for (int64_t c = 0; c < dim; ++c) x[c] *= norm;
+}
+
+// exp(x) for x <= 0 (Cephes-style: 2^(x log2 e) split into integer and fraction, degree-6 polynomial; relative
+// error below 2e-7), written so that loops over it vectorise; std::exp does not.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Args {
+  const float* q;
+  const float* cos;
+  const float* sin;
+  const uint8_t* mask;
+  int64_t heads, rows, n_queries, causal_offset, length, split, splits;
+  float scale;
+  float *part_acc, *part_max, *part_sum;
+};
+
+// One work item: tokens [t_begin, t_end) of head bh, into its own partial statistics.
+template <int D>
+void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t item) {
+  const int64_t bh = item / a.splits, b = bh / a.heads;
+  const int64_t t_begin = (item % a.splits) * a.split, t_end = std::min(a.length, t_begin + a.split);
+  const int64_t rows = a.rows;
+  float* acc = a.part_acc + item * rows * D;
+  float* m = a.part_max + item * rows;
+  float* l = a.part_sum + item * rows;
+  const float* qh = a.q + bh * rows * D;
+  alignas(64) float k_tile[TILE * D];  // token-major, as decoded
+  alignas(64) float kt[D * TILE];      // channel-major: rotation, RoPE and scores vectorise over tokens
+  alignas(64) float v_tile[TILE * D];
+  alignas(64) float k_run[D], v_run[D], scratch[D];
+  std::vector<float> scores(rows * TILE);
+  std::vector<uint8_t> allowed(rows * TILE);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
+    const int n_tok = static_cast<int>(std::min<int64_t>(TILE, t_end - t0));
+    for (int j = 0; j < n_tok; ++j) {
+      keys.token(bh, t0 + j, k_run, k_tile + j * D, scratch);
+      values.token(bh, t0 + j, v_run, v_tile + j * D, scratch);
+    }
+    for (int j = n_tok; j < TILE; ++j) std::fill(k_tile + j * D, k_tile + (j + 1) * D, 0.f);
+    for (int j = 0; j < TILE; ++j)
+      for (int c = 0; c < D; ++c) kt[c * TILE + j] = k_tile[j * D + c];
+    hadamard_tile<D>(kt, keys.rotation);
+    if (a.cos) {
+      // cos/sin are channel-major [B, D, L]: row c holds channel c of every token.
+      constexpr int HALF = D / 2;
+      const int64_t base = b * D * a.length + t0;
+      for (int c = 0; c < HALF; ++c) {
+        float* lo = kt + c * TILE;
+        float* hi = kt + (c + HALF) * TILE;
+        const float* cl = a.cos + base + c * a.length;
+        const float* sl = a.sin + base + c * a.length;
+        const float* ch = a.cos + base + (c + HALF) * a.length;
+        const float* sh = a.sin + base + (c + HALF) * a.length;
+#pragma omp simd
+        for (int j = 0; j < n_tok; ++j) {
+          const float x = lo[j], y = hi[j];
+          lo[j] = x * cl[j] - y * sl[j];
+          hi[j] = y * ch[j] + x * sh[j];
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qh + r * D;
+      const int64_t i = r % a.n_queries;
+      float* sr = scores.data() + r * TILE;
+      uint8_t* ok = allowed.data() + r * TILE;
+      std::fill(sr, sr + TILE, 0.f);
+      for (int c = 0; c < D; ++c) {
+        const float qc = qr[c] * a.scale;
+        const float* kc = kt + c * TILE;
+#pragma omp simd
+        for (int j = 0; j < TILE; ++j) sr[j] += qc * kc[j];
+      }
+      float tile_max = NEG_INF;
+      for (int j = 0; j < n_tok; ++j) {
+        const int64_t t = t0 + j;
+        ok[j] = a.mask ? a.mask[(b * a.n_queries + i) * a.length + t] != 0 : t <= a.causal_offset + i;
+        if (ok[j]) tile_max = std::max(tile_max, sr[j]);
+      }
+      const float new_max = std::max(m[r], tile_max);
+      if (new_max == NEG_INF) {
+        for (int j = 0; j < n_tok; ++j) sr[j] = 0.f;
+        continue;
+      }
+      const float alpha = m[r] == NEG_INF ? 0.f : exp_nonpositive(m[r] - new_max);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int j = 0; j < n_tok; ++j) {
+        const float p = ok[j] ? exp_nonpositive(sr[j] - new_max) : 0.f;
+        sr[j] = p;
+        total += p;
+      }
+      l[r] = l[r] * alpha + total;
+      float* ar = acc + r * D;
+      if (alpha != 1.f) {
+#pragma omp simd
+        for (int c = 0; c < D; ++c) ar[c] *= alpha;
+      }
+      m[r] = new_max;
+      for (int j = 0; j < n_tok; ++j) {
+        const float p = sr[j];
+        const float* v = v_tile + j * D;
+#pragma omp simd
+        for (int c = 0; c < D; ++c) ar[c] += p * v[c];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Returns {acc [B, Hkv, R, D] (relative to max), max [B, Hkv, R], sum [B, Hkv, R]} over the stream's tokens.
+std::vector<torch::Tensor> stream_attention(
+    torch::Tensor query,  // [B, Hkv, R, D] fp32, R = group * n (row r = g * n + i)
+    std::vector<torch::Tensor> key_state, std::vector<int64_t> key_meta,
+    std::vector<torch::Tensor> value_state, std::vector<int64_t> value_meta,
+    torch::Tensor cos, torch::Tensor sin,  // [B, L, D] fp32 or empty
+    torch::Tensor mask,                    // [B, n, L] uint8 or empty
+    int64_t n_queries, int64_t causal_offset, double scale, int64_t length, int64_t value_dim, int64_t split) {
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  TORCH_CHECK(value_dim == dim, "the CPU kernel needs keys and values of one width");
+  const Stream keys(key_state, key_meta, dim, heads), values(value_state, value_meta, value_dim, heads);
+  Args a;
+  a.q = query.data_ptr<float>();
+  a.cos = cos.numel() ? cos.data_ptr<float>() : nullptr;
+  a.sin = sin.numel() ? sin.data_ptr<float>() : nullptr;
+  a.mask = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
+  a.heads = heads, a.rows = rows, a.n_queries = n_queries, a.causal_offset = causal_offset, a.length = length;
+  a.split = split, a.splits = (length + split - 1) / split, a.scale = static_cast<float>(scale);
+  const int64_t items = batch * heads * a.splits;
+  auto opts = query.options();
+  auto part_acc = torch::zeros({items, rows, dim}, opts);
+  auto part_max = torch::full({items, rows}, NEG_INF, opts);
+  auto part_sum = torch::zeros({items, rows}, opts);
+  a.part_acc = part_acc.data_ptr<float>(), a.part_max = part_max.data_ptr<float>();
+  a.part_sum = part_sum.data_ptr<float>();
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      switch (dim) {
+        case 32: run_item<32>(a, keys, values, item); break;
+        case 64: run_item<64>(a, keys, values, item); break;
+        case 128: run_item<128>(a, keys, values, item); break;
+        case 256: run_item<256>(a, keys, values, item); break;
+        default: TORCH_CHECK(false, "the CPU kernel serves head_dim 32, 64, 128 or 256, got ", dim);
+      }
+    }
+  });
+
+  // Merge the splits of each (batch, head) and undo the value rotation once, on the accumulated rows.
+  auto acc = torch::zeros({batch, heads, rows, dim}, opts);
+  auto mx = torch::full({batch, heads, rows}, NEG_INF, opts);
+  auto sm = torch::zeros({batch, heads, rows}, opts);
+  float* oa = acc.data_ptr<float>();
+  float* om = mx.data_ptr<float>();
+  float* os = sm.data_ptr<float>();
+  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float top = NEG_INF;
+      for (int64_t s = 0; s < a.splits; ++s) top = std::max(top, a.part_max[(bh * a.splits + s) * rows + r]);
+      om[bh * rows + r] = top;
+      if (top == NEG_INF) continue;
+      float* out = oa + (bh * rows + r) * dim;
+      for (int64_t s = 0; s < a.splits; ++s) {
+        const int64_t item = bh * a.splits + s;
+        if (a.part_max[item * rows + r] == NEG_INF) continue;
+        const float w = std::exp(a.part_max[item * rows + r] - top);
+        os[bh * rows + r] += a.part_sum[item * rows + r] * w;
+        const float* src = a.part_acc + (item * rows + r) * dim;
+        for (int64_t c = 0; c < dim; ++c) out[c] += src[c] * w;
+      }
+      hadamard_row(out, dim, values.rotation);
+    }
+  }
+  return {acc, mx, sm};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream_attention", &stream_attention, "decode attention over packed codec storage (CPU)");
+}

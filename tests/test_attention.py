@@ -1,0 +1,214 @@
+"""Attention read straight from the compressed cache: the `"hf_deltakv"` attention implementation, the chunked
+reference and the compiled CPU kernel (`kernels.stream_attention`), on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, compressed_attention, kernels
+from hf_deltakv.attention import chunked_attention
+from hf_deltakv.codecs.channel import ChannelGroupCodec
+from hf_deltakv.codecs.delta import DeltaCodec
+from hf_deltakv.codecs.layout import describe
+from hf_deltakv.codecs.plain import PlainCodec
+from hf_deltakv.codecs.rotation import RotatedCodec
+from hf_deltakv.kernels.cpu import extension
+
+from .conftest import ARCHS, tiny_compressor, tiny_model
+
+CACHES = {
+    "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
+    "q8_0-rot": lambda model: QuantizedKVCache("q8_0", "q4_1", rotate=True),
+    "kivi": lambda model: KIVIKVCache(model=model, pre_rope=True),
+    "delta": lambda model: DeltaKVCache(kf=4),
+    "delta-pre-rope": lambda model: DeltaKVCache(kf=4, model=model),
+    "delta-both": lambda model: DeltaKVCache(kf=8, values="delta", model=model, sink_tokens=0),
+    "residual": lambda model: ResidualKVCache(model=model, compressor=tiny_compressor(model)),
+}
+
+
+def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _logits(model, make_cache, ids, split: int, compressed: bool, **kwargs) -> torch.Tensor:
+    """Prefill `ids[:, :split]`, then feed the rest one token at a time; every step's logits, concatenated."""
+    cache = make_cache(model)
+    with compressed_attention(model) if compressed else _nothing():
+        out = [model(ids[:, :split], cache=cache, **kwargs).logits]
+        for t in range(split, ids.shape[1]):
+            mask = kwargs.get("attention_mask")
+            step = {"attention_mask": mask[:, : t + 1]} if mask is not None else {}
+            out.append(model(ids[:, t : t + 1], cache=cache, **step).logits)
+    return torch.cat(out, dim=1)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", CACHES)
+def test_compressed_attention_matches_reconstruction(arch, name):
+    """Reading the cache in chunks gives the logits of attending its full reconstruction (fp32 model)."""
+    model = tiny_model(arch)
+    ids = _ids(2, 45)
+    expected = _logits(model, CACHES[name], ids, 30, compressed=False)
+    got = _logits(model, CACHES[name], ids, 30, compressed=True)
+    assert model.config._attn_implementation != "hf_deltakv"  # restored on exit
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "delta-pre-rope", "residual"])
+def test_left_padded_batch_and_multi_token_steps(name):
+    """Padding masks reach the compressed path (AttentionMaskInterface), and a 5-token chunk after the prefill is
+    causal within itself."""
+    model = tiny_model("llama")
+    ids = _ids(2, 40)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    with torch.no_grad():
+        for compressed in (False, True):
+            cache = CACHES[name](model)
+            with compressed_attention(model) if compressed else _nothing():
+                first = model(ids[:, :30], attention_mask=mask[:, :30], cache=cache).logits
+                second = model(ids[:, 30:35], attention_mask=mask[:, :35], cache=cache).logits
+            if not compressed:
+                expected = torch.cat([first, second], dim=1)
+    got = torch.cat([first, second], dim=1)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0, 6:], expected[0, 6:], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_inside_compressed_attention():
+    model = tiny_model("qwen2")
+    ids = _ids(1, 20)
+    plain = model.generate(ids, max_new_tokens=10, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
+    with compressed_attention(model):
+        fused = model.generate(ids, max_new_tokens=10, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
+    assert torch.equal(fused, plain)
+
+
+def test_compressed_attention_restores_on_error_and_refuses_bad_models():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="boom"), compressed_attention(model):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="PreTrainedModel"), compressed_attention(torch.nn.Linear(2, 2)):
+        pass
+
+
+def test_other_caches_pass_through_to_sdpa():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids = _ids(1, 12)
+    with torch.no_grad():
+        expected = model(ids, cache=DynamicCache()).logits
+        with compressed_attention(model):
+            got = model(ids, cache=DynamicCache()).logits
+    torch.testing.assert_close(got, expected)
+
+
+CODECS = {
+    "q4_0": lambda: PlainCodec("q4_0"),
+    "q4_0_16-rot": lambda: RotatedCodec(PlainCodec("q4_0_16")),
+    "q4_1": lambda: PlainCodec("q4_1"),
+    "q8_0-rot": lambda: RotatedCodec(PlainCodec("q8_0")),
+    "f16": lambda: PlainCodec("f16"),
+    "delta": lambda: DeltaCodec(kf=8, delta_format="q4_0_16"),
+    "delta-rot": lambda: RotatedCodec(DeltaCodec(kf=5, delta_format="q4_0", keyframe_format="q8_0")),
+    "delta-no-intra": lambda: DeltaCodec(kf=6, intra=False, delta_format="q8_0", keyframe_format="f16"),
+    "delta-no-mean": lambda: RotatedCodec(DeltaCodec(kf=32, mean_reference=False, delta_format="q4_1")),
+    "kivi": lambda: ChannelGroupCodec("q4_1"),
+    "delta-keyframe-ref": lambda: DeltaCodec(kf=4, reference="keyframe"),
+}
+
+
+def _stream(make, length: int, batch: int, heads: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    offset = torch.randn(dim, generator=g) * 4
+    x = (torch.randn(batch, heads, length, dim, generator=g).cumsum(2) * 0.2 + offset).float()
+    codec = make()
+    codec.append(x[:, :, : length // 3])  # a prefill, then single tokens: both append paths
+    for t in range(length // 3, length):
+        codec.append(x[:, :, t : t + 1])
+    return codec
+
+
+@pytest.mark.parametrize("key", list(CODECS))
+@pytest.mark.parametrize("value", ["q4_0", "delta-rot", "q8_0-rot", "kivi"])
+@pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "rope"])
+def test_stream_attention_kernel_matches_reference(key, value, case):
+    """The dispatched op (the compiled CPU kernel where it reads the storage) against `reference.stream_attention`
+    on odd shapes: 77 tokens (not a multiple of the tile or of kf), GQA group 3, batch 2."""
+    batch, heads, dim, length, n = 2, 2, 64, 77, 3 if case == "causal-3" else 1
+    keys = _stream(CODECS[key], length, batch, heads, dim, seed=1)
+    values = _stream(CODECS[value], length, batch, heads, dim, seed=2)
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(batch, heads, 3 * n, dim, generator=g)
+    cos = sin = mask = None
+    if case == "rope":
+        angle = torch.rand(batch, length, dim // 2, generator=g) * 6
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    if case == "masked":
+        mask = torch.rand(batch, n, length, generator=g) > 0.3
+        mask[1, :, :] = False  # a fully masked row: no key at all
+    args = (query, keys, values, dim, cos, sin, mask, n, length - n, 0.125)
+    got = kernels.stream_attention(*args)
+    expected = kernels.reference.stream_attention(*args)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
+    """CI must build the C++ kernel: a silent fallback would leave the parity tests comparing the reference with
+    itself."""
+    assert extension() is not None
+    model = tiny_model("llama")
+    cache = DeltaKVCache(kf=4, model=model)
+    with torch.no_grad():
+        model(_ids(1, 20), cache=cache)
+    layer = cache.layers[0]
+    assert describe(layer.key_codec, layer.head_dim) is not None
+    assert describe(layer.value_codec, layer.value_dim) is not None
+    assert describe(ChannelGroupCodec("q4_1"), 64) is None
+
+
+def test_forced_reference_never_calls_the_kernel(monkeypatch):
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+
+    def fail():
+        raise AssertionError("kernel used")
+
+    monkeypatch.setattr("hf_deltakv.kernels.cpu.extension", fail)
+    keys, values = _stream(CODECS["q4_0"], 20, 1, 1, 64, 0), _stream(CODECS["q4_0"], 20, 1, 1, 64, 1)
+    kernels.stream_attention(torch.randn(1, 1, 2, 64), keys, values, 64, None, None, None, 1, 19, 0.125)
+
+
+@pytest.mark.parametrize("name", ["delta", "delta-rot", "kivi", "q4_1"])
+def test_decode_range_equals_slices_of_decode(name):
+    codec = _stream(CODECS[name], 70, 1, 2, 64, seed=4)
+    full = codec.decode()
+    for start, end in [(0, 70), (0, 1), (5, 6), (7, 33), (32, 64), (69, 70), (10, 10)]:
+        torch.testing.assert_close(codec.decode_range(start, end), full[:, :, start:end], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="outside"):
+        codec.decode_range(60, 71)
+
+
+def test_chunked_attention_equals_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 5, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g),
+               torch.randn(2, 2, 40, 16, generator=g))
+    chunks = [(k[:, :, i : i + 7], v[:, :, i : i + 7]) for i in range(0, 40, 7)]
+    got = chunked_attention(q, chunks, 0.25, None, 40)
+    kk, vv = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    mask = torch.ones(5, 40, dtype=torch.bool).tril(diagonal=35)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
