@@ -163,7 +163,7 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
     args = (query, keys, values, dim, cos, sin, mask, n, length - n, 0.125)
     got = kernels.stream_attention(*args)
     expected = kernels.reference.stream_attention(*args)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
 
 
@@ -204,8 +204,11 @@ def test_decode_range_equals_slices_of_decode(name):
 
 def test_chunked_attention_equals_sdpa():
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 6, 5, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g),
-               torch.randn(2, 2, 40, 16, generator=g))
+    q, k, v = (
+        torch.randn(2, 6, 5, 16, generator=g),
+        torch.randn(2, 2, 40, 16, generator=g),
+        torch.randn(2, 2, 40, 16, generator=g),
+    )
     chunks = [(k[:, :, i : i + 7], v[:, :, i : i + 7]) for i in range(0, 40, 7)]
     got = chunked_attention(q, chunks, 0.25, None, 40)
     kk, vv = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)

@@ -75,6 +75,16 @@ def test_bytes_match_llama_cpp(x, fmt):
     np.testing.assert_array_equal(dequantize(q).numpy(), gguf_quants.dequantize(reference, GGML[fmt]))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy overflows on purpose here
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_tiny_blocks_whose_reciprocal_scale_overflows_match_llama_cpp(fmt):
+    """Found by hypothesis: a block of values near 1e-38 has a scale whose reciprocal overflows to inf."""
+    for x in (np.full((1, 32), 1.1754944e-38, np.float32), np.linspace(1e-39, 3e-38, 32, dtype=np.float32)[None]):
+        np.testing.assert_array_equal(
+            as_llama_bytes(quantize(torch.from_numpy(x), fmt)), gguf_quants.quantize(x, GGML[fmt])
+        )
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 100)), elements=finite),

@@ -225,6 +225,9 @@ class DeltaCodec(StreamCodec):
         x = x.float()
         if self.mean_reference:
             self._take_snapshots(x)
+        if new == 1 and self.keyframes is not None:
+            self._append_token(x[:, :, 0])
+            return
         groups = (start + new + kf - 1) // kf
         slots = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=x.device)
         slots[:, :, start : start + new] = x
@@ -276,6 +279,23 @@ class DeltaCodec(StreamCodec):
         else:
             self.reference_state = recon.view(batch, heads, groups * kf, dim)[:, :, end : end + 1].clone()
         self.length += new
+
+    def _append_token(self, x: torch.Tensor) -> None:
+        """One decoded token `[B, H, D]` after the first: the same arithmetic as the general path of `append` (same
+        bytes, tested), without its whole-group scaffolding, which dominates the cost of a decoding step."""
+        offset = self.length % self.kf
+        if offset == 0:
+            key = quantize(x, self.keyframe_format)
+            self.keyframes = append_along_seq(self.keyframes, key.map(lambda t: t.unsqueeze(2)))
+            self.reference_state = dequantize(key).unsqueeze(2)
+        else:
+            position = torch.tensor([self.length], device=x.device)
+            long_term = self._means_at(position, x.unsqueeze(2))[:, :, 0]
+            q, recon = self._code_delta(x, self.reference_state[:, :, 0], long_term)
+            self.deltas = append_along_seq(self.deltas, q.map(lambda t: t.unsqueeze(2)))
+            if self.reference == "previous":
+                self.reference_state = recon.unsqueeze(2)
+        self.length += 1
 
     def decode_range(self, start: int, end: int) -> torch.Tensor:
         """Only the keyframe groups overlapping the range are decoded (each group decodes on its own)."""

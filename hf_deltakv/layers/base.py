@@ -284,9 +284,10 @@ class PositionLog:
         if key not in self._tables:
             if len(self._tables) >= 4:
                 self._tables.clear()
-            channel_major = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in rope.cos_sin(
-                self.ids[:, begin:end], head_dim
-            ))
+            channel_major = (
+                t.transpose(-1, -2).contiguous().transpose(-1, -2)
+                for t in rope.cos_sin(self.ids[:, begin:end], head_dim)
+            )
             self._tables[key] = tuple(channel_major)
         return self._tables[key]
 

@@ -12,7 +12,6 @@ from ..codecs.base import StreamCodec
 from ..rope import RopeInverter
 from .base import PositionLog, StreamLayer
 
-
 CHUNK_TOKENS = 512  # tokens reconstructed at a time when attention reads the cache (a multiple of common kf)
 
 
@@ -75,8 +74,16 @@ class CompressedLayer(StreamLayer):
         query = state.query.reshape(batch, self.kv_heads, group * n, dim)
         mask = state.mask[:, 0, :, sinks:] if state.mask is not None else None
         acc, maximum, total = kernels.stream_attention(
-            query, self.key_codec, self.value_codec, self.value_dim, cos, sin, mask, n,
-            self.cumulative_length - n - sinks, state.scale,
+            query,
+            self.key_codec,
+            self.value_codec,
+            self.value_dim,
+            cos,
+            sin,
+            mask,
+            n,
+            self.cumulative_length - n - sinks,
+            state.scale,
         )
         shape = (batch, self.kv_heads, group, n)
         state.merge(acc.view(*shape, self.value_dim), maximum.view(shape), total.view(shape))

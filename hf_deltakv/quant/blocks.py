@@ -5,7 +5,8 @@ cases, beyond llama.cpp:
 - a last dimension that is not a multiple of 32 is zero-padded to one; the padding is stored (and counted) and
   dropped on dequantization;
 - a block holding NaN or ±inf gets a NaN scale, so the whole block decodes as NaN instead of finite garbage;
-- a scale beyond the fp16 range saturates at ±65504 (llama.cpp would store inf), so huge finite values clip.
+- a scale beyond the fp16 range saturates at ±65504 (llama.cpp would store inf), so huge finite values clip;
+- a block so tiny that its reciprocal scale overflows gets codes 0 (what llama.cpp produces on x86).
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ def _safe_reciprocal(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
 
 
+def _finite_or_zero(scaled: torch.Tensor) -> torch.Tensor:
+    """Codes of non-finite scaled values are 0: NaN (0 * inf) and ±inf (a block so tiny that the reciprocal of its
+    scale overflows; its fp16 scale is 0, so it decodes as 0 anyway), as llama.cpp's float-to-int conversion gives on
+    x86."""
+    return scaled.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+
 def _finalize_scale(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """fp16 scale: saturate at the fp16 range, NaN where the block is not finite."""
     d = d.clamp(-FP16_MAX, FP16_MAX)
@@ -95,7 +103,7 @@ def quantize_q4_0(x: torch.Tensor, fmt_name: str = "q4_0") -> QuantizedTensor:
     d = torch.gather(blocks, -1, imax) / -8
     d = d.clamp(-FP16_MAX, FP16_MAX)
     inv = _safe_reciprocal(d)
-    q = torch.trunc(blocks * inv + 8.5).nan_to_num(0.0).clamp(0, 15).to(torch.uint8)
+    q = _finite_or_zero(torch.trunc(blocks * inv + 8.5)).clamp(0, 15).to(torch.uint8)
     return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), _finalize_scale(d.squeeze(-1), blocks))
 
 
@@ -108,7 +116,7 @@ def quantize_q4_1(x: torch.Tensor, fmt_name: str = "q4_1") -> QuantizedTensor:
     lo = blocks.amin(dim=-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX)
     d = ((hi - lo) / 15).clamp(-FP16_MAX, FP16_MAX)
     inv = _safe_reciprocal(d)
-    q = torch.trunc((blocks - lo) * inv + 0.5).nan_to_num(0.0).clamp(0, 15).to(torch.uint8)
+    q = _finite_or_zero(torch.trunc((blocks - lo) * inv + 0.5)).clamp(0, 15).to(torch.uint8)
     finite = torch.isfinite(blocks).all(dim=-1)
     mins = torch.where(finite, lo.squeeze(-1), torch.full_like(finite, float("nan"), dtype=torch.float32))
     scales = _finalize_scale(d.squeeze(-1), blocks)
@@ -126,7 +134,7 @@ def quantize_q8_0(x: torch.Tensor) -> QuantizedTensor:
     blocks = _to_blocks(x, fmt.block_size)
     d = (blocks.abs().amax(dim=-1, keepdim=True) / 127).clamp(max=FP16_MAX)
     inv = _safe_reciprocal(d)
-    q = _round_half_away(blocks * inv).nan_to_num(0.0).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    q = _finite_or_zero(_round_half_away(blocks * inv)).clamp(-127, 127).to(torch.int8).view(torch.uint8)
     return QuantizedTensor(fmt, x.shape[-1], q, _finalize_scale(d.squeeze(-1), blocks))
 
 
