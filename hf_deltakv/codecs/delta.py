@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..kernels import delta_encode_groups, segmented_prefix_sum, use_triton
 from ..quant import QuantizedTensor, dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq, check_range, slice_seq
@@ -71,8 +72,10 @@ def _select_blocks(flags: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) 
 
 
 def _block_sse(recon: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+    """Squared error per block, in fp64: exact squares and a sum whose order barely matters, so that kernels summing
+    in another order make the same inter/intra choices."""
     pad = (-x.shape[-1]) % block
-    err = torch.nn.functional.pad(recon - x, (0, pad)) ** 2
+    err = torch.nn.functional.pad(recon - x, (0, pad)).double() ** 2
     return err.reshape(*err.shape[:-1], -1, block).sum(-1)
 
 
@@ -282,16 +285,18 @@ class DeltaCodec(StreamCodec):
 
     def _append_token(self, x: torch.Tensor) -> None:
         """One decoded token `[B, H, D]` after the first: the same arithmetic as the general path of `append` (same
-        bytes, tested), without its whole-group scaffolding, which dominates the cost of a decoding step."""
+        bytes, tested), without its whole-group scaffolding, which dominates the cost of a decoding step; on the
+        CPU through the compiled encode kernels (`kernels.quantize`, `kernels.code_delta`)."""
         offset = self.length % self.kf
         if offset == 0:
-            key = quantize(x, self.keyframe_format)
+            key = kernels.quantize(x, self.keyframe_format)
             self.keyframes = append_along_seq(self.keyframes, key.map(lambda t: t.unsqueeze(2)))
             self.reference_state = dequantize(key).unsqueeze(2)
         else:
             position = torch.tensor([self.length], device=x.device)
             long_term = self._means_at(position, x.unsqueeze(2))[:, :, 0]
-            q, recon = self._code_delta(x, self.reference_state[:, :, 0], long_term)
+            base = self.reference_state[:, :, 0]
+            q, recon = kernels.code_delta(x, base, long_term, self.delta_format, self.intra)
             self.deltas = append_along_seq(self.deltas, q.map(lambda t: t.unsqueeze(2)))
             if self.reference == "previous":
                 self.reference_state = recon.unsqueeze(2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..quant import dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq, check_range, slice_seq
 
@@ -24,7 +25,9 @@ class PlainCodec(StreamCodec):
         return ("stored",)
 
     def append(self, x: torch.Tensor) -> None:
-        self.stored = append_along_seq(self.stored, quantize(x, self.fmt))
+        # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
+        coded = kernels.quantize(x, self.fmt) if x.shape[2] == 1 else quantize(x, self.fmt)
+        self.stored = append_along_seq(self.stored, coded)
         self.length += x.shape[2]
 
     def decode_range(self, start: int, end: int) -> torch.Tensor:

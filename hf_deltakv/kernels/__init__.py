@@ -18,8 +18,10 @@ from . import reference
 from .reference import skip_matvec
 
 __all__ = [
+    "code_delta",
     "delta_encode_groups",
     "dequantize_latent",
+    "quantize",
     "reference",
     "segmented_prefix_sum",
     "skip_matvec",
@@ -45,37 +47,72 @@ def use_triton(device: torch.device | str) -> bool:
     return not forced_reference() and torch.device(device).type == "cuda" and triton_available()
 
 
+def _cpu_extension(device: torch.device):
+    """The compiled CPU kernels when `device` is the CPU and they are built (or can be), else None."""
+    if device.type != "cpu" or forced_reference():
+        return None
+    from .cpu import extension
+
+    return extension()
+
+
+def quantize(x: torch.Tensor, fmt: str):
+    """Dispatching `reference.quantize` (block formats), meant for a few rows (one decoded token): the compiled CPU
+    kernel on the CPU for the q4_0, q4_1 and q8_0 families, the reference otherwise."""
+    from .cpu.encode import supports
+
+    compiled = _cpu_extension(x.device) if supports(fmt, x.shape[-1]) else None
+    if compiled is not None:
+        from .cpu.encode import quantize as kernel
+
+        return kernel(x, fmt, compiled)
+    return reference.quantize(x, fmt)
+
+
+def code_delta(x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool):
+    """Dispatching `reference.code_delta` (one closed-loop step of the delta codec), like `quantize`."""
+    from .cpu.encode import supports
+
+    compiled = _cpu_extension(x.device) if supports(fmt, x.shape[-1]) else None
+    if compiled is not None:
+        from .cpu.encode import code_delta as kernel
+
+        return kernel(x, base, long_term, fmt, intra, compiled)
+    return reference.code_delta(x, base, long_term, fmt, intra)
+
+
 def stream_attention(
     query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
     key_codec,
     value_codec,
-    value_dim: int,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     mask: torch.Tensor | None,
     n_queries: int,
     causal_offset: int,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dispatching `reference.stream_attention` (attention read straight from a codec's packed storage).
+) -> torch.Tensor:
+    """Dispatching `reference.stream_attention` (attention read straight from a cache layer's packed storage).
 
     On the CPU the compiled C++ kernel (`cpu/stream_attention.cpp`) serves plain and delta storage in q4_0, q4_1,
-    q8_0, f16 and their 16-wide variants, rotated or not; anything else, and every op when the kernel cannot be built,
-    runs the chunked reference.
+    q8_0, f16 and their 16-wide variants, rotated or not, keys and values of one width; anything else, and every
+    call when the kernel cannot be built, runs the chunked reference.
     """
-    if query.device.type == "cpu" and not forced_reference():
-        from ..codecs.layout import describe
-        from .cpu import extension
+    from ..codecs.layout import describe
 
-        keys, values = describe(key_codec, query.shape[-1]), describe(value_codec, value_dim)
-        compiled = extension() if keys is not None and values is not None else None
+    dim, value_dim = query.shape[-1], sink_values.shape[-1]
+    keys, values = describe(key_codec, dim), describe(value_codec, value_dim)
+    if keys is not None and values is not None and value_dim == dim and dim in (32, 64, 128, 256):
+        compiled = _cpu_extension(query.device)
         if compiled is not None:
             from .cpu.stream_attention import stream_attention as kernel
 
-            args = (cos, sin, mask, n_queries, causal_offset, scale, key_codec.length, value_dim, compiled)
-            return kernel(query, keys, values, *args)
+            args = (cos, sin, mask, n_queries, causal_offset, scale, key_codec.length, compiled)
+            return kernel(query, sink_keys, sink_values, keys, values, *args)
     return reference.stream_attention(
-        query, key_codec, value_codec, value_dim, cos, sin, mask, n_queries, causal_offset, scale
+        query, sink_keys, sink_values, key_codec, value_codec, cos, sin, mask, n_queries, causal_offset, scale
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from ..quant import QuantizedTensor, dequantize, quantize
 
 __all__ = [
+    "code_delta",
     "decode_attention",
     "delta_encode_groups",
     "dequantize",
@@ -19,6 +20,17 @@ __all__ = [
     "skip_matvec",
     "stream_attention",
 ]
+
+
+def code_delta(
+    x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool
+) -> tuple[QuantizedTensor, torch.Tensor]:
+    """One closed-loop step of the delta codec: `x - base` quantized in `fmt`, and with `intra` per block the better
+    (smaller squared error, summed in fp64) of that and `x - long_term`, flagged in the scale's lowest bit. Returns
+    the stored blocks and the reconstruction the decoder computes from them. (Defined in `codecs.delta`.)"""
+    from ..codecs.delta import code_delta as spec
+
+    return spec(x, base, long_term, fmt, intra)
 
 
 def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
@@ -142,9 +154,10 @@ def delta_encode_groups(
 
 def stream_attention(
     query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
     key_codec,
     value_codec,
-    value_dim: int,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     mask: torch.Tensor | None,
@@ -152,23 +165,23 @@ def stream_attention(
     causal_offset: int,
     scale: float,
     chunk: int = 512,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Online-softmax statistics of attention over a codec-stored stream (what a cache layer holds after its sinks).
+) -> torch.Tensor:
+    """Attention over a cache layer's raw sink tokens followed by its codec-stored stream, read chunk by chunk.
 
     Args:
         query: fp32 `[batch, kv_heads, group * n_queries, dim]`; row `g * n_queries + i` is query `i` of the kv
             head's `g`-th query head.
-        key_codec, value_codec: `StreamCodec`s holding the same (non-zero) number of tokens.
-        value_dim: width of the values.
-        cos, sin: fp32 `[batch, tokens, dim]`: RoPE of every stored token (keys stored before RoPE), or None.
-        mask: bool `[batch, n_queries, tokens]`, True where query `i` may attend token `t`; None: causal, token `t`
-            is visible to query `i` when `t <= causal_offset + i`.
+        sink_keys, sink_values: `[batch, kv_heads, sinks, dim]` raw tokens (keys with RoPE); sinks may be 0.
+        key_codec, value_codec: `StreamCodec`s holding the same number of tokens (keys before RoPE when `cos` is
+            given).
+        cos, sin: fp32 `[batch, stream tokens, dim]`: RoPE of every stored token, or None.
+        mask: bool `[batch, n_queries, sinks + stream tokens]`, True where query `i` may attend; None: causal, token
+            `u` (sinks counted) visible to query `i` when `u <= causal_offset + i`.
         scale: softmax scale.
-        chunk: tokens reconstructed at a time (the bound on transient memory).
+        chunk: stream tokens reconstructed at a time (the bound on transient memory).
 
     Returns:
-        acc `[batch, kv_heads, rows, value_dim]` (exp(score - max) times values, summed), max and sum
-        `[batch, kv_heads, rows]`.
+        fp32 `[batch, kv_heads, rows, value_dim]`; a row that may attend no token gets zeros.
     """
     from ..attention.chunked import OnlineSoftmax
     from ..rope import apply_rope
@@ -176,11 +189,14 @@ def stream_attention(
     batch, heads, rows, dim = query.shape
     grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
     state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + n_queries)
+    sinks = sink_keys.shape[2]
+    if sinks:
+        state.add(sink_keys, sink_values)
     for start in range(0, key_codec.length, chunk):
         end = min(start + chunk, key_codec.length)
         keys = key_codec.decode_range(start, end)
         if cos is not None:
             keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
-        state.add(keys, value_codec.decode_range(start, end), start)
-    acc = state.acc.reshape(batch, heads, rows, value_dim)
-    return acc, state.max.reshape(batch, heads, rows), state.sum.reshape(batch, heads, rows)
+        state.add(keys, value_codec.decode_range(start, end), sinks + start)
+    out = state.result()
+    return out.reshape(batch, heads, rows, out.shape[-1])

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import kernels
-from ..attention.chunked import OnlineSoftmax
 from ..codecs.base import StreamCodec
 from ..rope import RopeInverter
 from .base import PositionLog, StreamLayer
@@ -57,36 +56,36 @@ class CompressedLayer(StreamLayer):
             keys = self.rope.redo(keys, *self._cos_sin(sinks, self.cumulative_length))
         return keys, self.value_codec.decode()
 
-    def _attend_stream(self, state: OnlineSoftmax) -> None:
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Through `kernels.stream_attention`: the fused kernel where one applies, else the chunked reference."""
         stored = self.key_codec.length
-        if not stored:
-            return
-        if state.mask is not None and state.mask.shape[1] != 1:  # per-head masks: the generic chunked path
-            super()._attend_stream(state)
-            return
+        if not stored or (mask is not None and mask.shape[1] != 1):  # per-head masks: the generic chunked path
+            return super().attend(query, mask, scale)
         sinks = self.cumulative_length - stored
         cos = sin = None
         if self.rope is not None:
             cos, sin = (t[:, 0] for t in self._cos_sin(sinks, self.cumulative_length))
-        batch, q_heads, n, dim = state.query.shape
+        batch, q_heads, n, dim = query.shape
         group = q_heads // self.kv_heads
-        query = state.query.reshape(batch, self.kv_heads, group * n, dim)
-        mask = state.mask[:, 0, :, sinks:] if state.mask is not None else None
-        acc, maximum, total = kernels.stream_attention(
-            query,
+        if self.sink_keys is not None:
+            sink_keys, sink_values = self.sink_keys, self.sink_values
+        else:
+            sink_keys = query.new_empty(batch, self.kv_heads, 0, dim)
+            sink_values = query.new_empty(batch, self.kv_heads, 0, self.value_dim)
+        out = kernels.stream_attention(
+            query.reshape(batch, self.kv_heads, group * n, dim),
+            sink_keys,
+            sink_values,
             self.key_codec,
             self.value_codec,
-            self.value_dim,
             cos,
             sin,
-            mask,
+            mask[:, 0] if mask is not None else None,
             n,
-            self.cumulative_length - n - sinks,
-            state.scale,
+            self.cumulative_length - n,
+            scale,
         )
-        shape = (batch, self.kv_heads, group, n)
-        state.merge(acc.view(*shape, self.value_dim), maximum.view(shape), total.view(shape))
+        return out.reshape(batch, q_heads, n, self.value_dim)
 
     def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         stored = self.key_codec.length

@@ -12,7 +12,7 @@ import functools
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("stream_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("stream_attention.cpp", "encode.cpp", "module.cpp")]
 
 
 @functools.cache
@@ -23,7 +23,7 @@ def extension():
 
         return load(
             name="hf_deltakv_cpu",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -8,6 +8,9 @@
 // rotation is linear, so it is undone once on the accumulated rows). Items are merged with log-sum-exp at the end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -166,12 +169,11 @@ struct Stream {
   }
 };
 
-// Orthonormal Walsh-Hadamard transform (its own inverse) over the channels of a channel-major tile x[D][TILE], in
-// blocks of `block` channels: every butterfly is a TILE-wide vector operation.
+// Unnormalised Walsh-Hadamard transform over the channels of a channel-major tile x[D][TILE], in blocks of `block`
+// channels: every butterfly is a TILE-wide vector operation. The 1/sqrt(block) factor is folded into the query.
 template <int D>
 inline void hadamard_tile(float* x, int64_t block) {
   if (!block) return;
-  const float norm = 1.0f / std::sqrt(static_cast<float>(block));
   for (int64_t base = 0; base < D; base += block) {
     for (int64_t h = 1; h < block; h *= 2) {
       for (int64_t i = base; i < base + block; i += 2 * h) {
@@ -188,8 +190,6 @@ inline void hadamard_tile(float* x, int64_t block) {
       }
     }
   }
-#pragma omp simd
-  for (int j = 0; j < D * TILE; ++j) x[j] *= norm;
 }
 
 // The same transform on one row x[D] (used once per output row for the values).
@@ -206,6 +206,47 @@ inline void hadamard_row(float* x, int64_t dim, int64_t block) {
         }
   }
   for (int64_t c = 0; c < dim; ++c) x[c] *= norm;
+}
+
+// k_tile [TILE][D] (token-major) -> kt [D][TILE] (channel-major), in 8x8 blocks (AVX2 shuffles where available).
+template <int D>
+inline void transpose_tile(const float* in, float* out) {
+#if defined(__AVX2__)
+  for (int jb = 0; jb < TILE; jb += 8) {
+    for (int cb = 0; cb < D; cb += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + (jb + i) * D + cb);
+      t[0] = _mm256_unpacklo_ps(r[0], r[1]);
+      t[1] = _mm256_unpackhi_ps(r[0], r[1]);
+      t[2] = _mm256_unpacklo_ps(r[2], r[3]);
+      t[3] = _mm256_unpackhi_ps(r[2], r[3]);
+      t[4] = _mm256_unpacklo_ps(r[4], r[5]);
+      t[5] = _mm256_unpackhi_ps(r[4], r[5]);
+      t[6] = _mm256_unpacklo_ps(r[6], r[7]);
+      t[7] = _mm256_unpackhi_ps(r[6], r[7]);
+      r[0] = _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[1] = _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[2] = _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[3] = _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(3, 2, 3, 2));
+      r[4] = _mm256_shuffle_ps(t[4], t[6], _MM_SHUFFLE(1, 0, 1, 0));
+      r[5] = _mm256_shuffle_ps(t[4], t[6], _MM_SHUFFLE(3, 2, 3, 2));
+      r[6] = _mm256_shuffle_ps(t[5], t[7], _MM_SHUFFLE(1, 0, 1, 0));
+      r[7] = _mm256_shuffle_ps(t[5], t[7], _MM_SHUFFLE(3, 2, 3, 2));
+      t[0] = _mm256_permute2f128_ps(r[0], r[4], 0x20);
+      t[1] = _mm256_permute2f128_ps(r[1], r[5], 0x20);
+      t[2] = _mm256_permute2f128_ps(r[2], r[6], 0x20);
+      t[3] = _mm256_permute2f128_ps(r[3], r[7], 0x20);
+      t[4] = _mm256_permute2f128_ps(r[0], r[4], 0x31);
+      t[5] = _mm256_permute2f128_ps(r[1], r[5], 0x31);
+      t[6] = _mm256_permute2f128_ps(r[2], r[6], 0x31);
+      t[7] = _mm256_permute2f128_ps(r[3], r[7], 0x31);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (cb + i) * TILE + jb, t[i]);
+    }
+  }
+#else
+  for (int j = 0; j < TILE; ++j)
+    for (int c = 0; c < D; ++c) out[c * TILE + j] = in[j * D + c];
+#endif
 }
 
 // exp(x) for x <= 0 (Cephes-style: 2^(x log2 e) split into integer and fraction, degree-6 polynomial; relative
@@ -233,8 +274,9 @@ struct Args {
   const float* cos;
   const float* sin;
   const uint8_t* mask;
-  int64_t heads, rows, n_queries, causal_offset, length, split, splits;
-  float scale;
+  const uint8_t* mask_base;  // mask of all tokens, sinks first
+  int64_t heads, rows, n_queries, causal_offset, length, split, splits, sinks, mask_length;
+  float scale, key_scale;  // key_scale: scale times the Hadamard normalisation of the keys
   float *part_acc, *part_max, *part_sum;
 };
 
@@ -261,8 +303,7 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       values.token(bh, t0 + j, v_run, v_tile + j * D, scratch);
     }
     for (int j = n_tok; j < TILE; ++j) std::fill(k_tile + j * D, k_tile + (j + 1) * D, 0.f);
-    for (int j = 0; j < TILE; ++j)
-      for (int c = 0; c < D; ++c) kt[c * TILE + j] = k_tile[j * D + c];
+    transpose_tile<D>(k_tile, kt);
     hadamard_tile<D>(kt, keys.rotation);
     if (a.cos) {
       // cos/sin are channel-major [B, D, L]: row c holds channel c of every token.
@@ -290,7 +331,7 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       uint8_t* ok = allowed.data() + r * TILE;
       std::fill(sr, sr + TILE, 0.f);
       for (int c = 0; c < D; ++c) {
-        const float qc = qr[c] * a.scale;
+        const float qc = qr[c] * a.key_scale;
         const float* kc = kt + c * TILE;
 #pragma omp simd
         for (int j = 0; j < TILE; ++j) sr[j] += qc * kc[j];
@@ -298,7 +339,8 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       float tile_max = NEG_INF;
       for (int j = 0; j < n_tok; ++j) {
         const int64_t t = t0 + j;
-        ok[j] = a.mask ? a.mask[(b * a.n_queries + i) * a.length + t] != 0 : t <= a.causal_offset + i;
+        ok[j] = a.mask ? a.mask[(b * a.n_queries + i) * a.mask_length + a.sinks + t] != 0
+                       : a.sinks + t <= a.causal_offset + i;
         if (ok[j]) tile_max = std::max(tile_max, sr[j]);
       }
       const float new_max = std::max(m[r], tile_max);
@@ -333,29 +375,35 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
 
 }  // namespace
 
-// Returns {acc [B, Hkv, R, D] (relative to max), max [B, Hkv, R], sum [B, Hkv, R]} over the stream's tokens.
-std::vector<torch::Tensor> stream_attention(
-    torch::Tensor query,  // [B, Hkv, R, D] fp32, R = group * n (row r = g * n + i)
+// Attention of the query rows over the raw sink tokens and the codec-stored stream, normalised: [B, Hkv, R, D].
+// query [B, Hkv, R, D] fp32 (row r = g * n + i); sink_k, sink_v fp32 [B, Hkv, S, D] (S may be 0); cos, sin [B, D, L]
+// fp32 channel-major or empty; mask [B, n, S + L] uint8 or empty (then causal: token u visible to query i when
+// u <= causal_offset + i, u counting the sinks). A row that may attend nothing gets zeros.
+torch::Tensor stream_attention(
+    torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v,
     std::vector<torch::Tensor> key_state, std::vector<int64_t> key_meta,
     std::vector<torch::Tensor> value_state, std::vector<int64_t> value_meta,
-    torch::Tensor cos, torch::Tensor sin,  // [B, L, D] fp32 or empty
-    torch::Tensor mask,                    // [B, n, L] uint8 or empty
-    int64_t n_queries, int64_t causal_offset, double scale, int64_t length, int64_t value_dim, int64_t split) {
+    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
+    int64_t n_queries, int64_t causal_offset, double scale, int64_t length, int64_t split) {
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
-  TORCH_CHECK(value_dim == dim, "the CPU kernel needs keys and values of one width");
-  const Stream keys(key_state, key_meta, dim, heads), values(value_state, value_meta, value_dim, heads);
+  const int64_t sinks = sink_k.size(2);
+  const Stream keys(key_state, key_meta, dim, heads), values(value_state, value_meta, dim, heads);
   Args a;
   a.q = query.data_ptr<float>();
   a.cos = cos.numel() ? cos.data_ptr<float>() : nullptr;
   a.sin = sin.numel() ? sin.data_ptr<float>() : nullptr;
-  a.mask = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
+  a.mask_base = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
+  a.mask = a.mask_base;
+  a.mask_length = sinks + length;
   a.heads = heads, a.rows = rows, a.n_queries = n_queries, a.causal_offset = causal_offset, a.length = length;
-  a.split = split, a.splits = (length + split - 1) / split, a.scale = static_cast<float>(scale);
+  a.sinks = sinks;
+  a.split = split, a.splits = length ? (length + split - 1) / split : 0, a.scale = static_cast<float>(scale);
+  a.key_scale = a.scale / (keys.rotation ? std::sqrt(static_cast<float>(keys.rotation)) : 1.0f);
   const int64_t items = batch * heads * a.splits;
   auto opts = query.options();
-  auto part_acc = torch::zeros({items, rows, dim}, opts);
-  auto part_max = torch::full({items, rows}, NEG_INF, opts);
-  auto part_sum = torch::zeros({items, rows}, opts);
+  auto part_acc = torch::zeros({std::max<int64_t>(items, 1), rows, dim}, opts);
+  auto part_max = torch::full({std::max<int64_t>(items, 1), rows}, NEG_INF, opts);
+  auto part_sum = torch::zeros({std::max<int64_t>(items, 1), rows}, opts);
   a.part_acc = part_acc.data_ptr<float>(), a.part_max = part_max.data_ptr<float>();
   a.part_sum = part_sum.data_ptr<float>();
 
@@ -371,34 +419,48 @@ std::vector<torch::Tensor> stream_attention(
     }
   });
 
-  // Merge the splits of each (batch, head) and undo the value rotation once, on the accumulated rows.
-  auto acc = torch::zeros({batch, heads, rows, dim}, opts);
-  auto mx = torch::full({batch, heads, rows}, NEG_INF, opts);
-  auto sm = torch::zeros({batch, heads, rows}, opts);
-  float* oa = acc.data_ptr<float>();
-  float* om = mx.data_ptr<float>();
-  float* os = sm.data_ptr<float>();
+  // Per row: merge the splits (log-sum-exp), undo the value rotation once on the merged rows, add the sinks,
+  // normalise.
+  auto out = torch::zeros({batch, heads, rows, dim}, opts);
+  float* po = out.data_ptr<float>();
+  const float* sk = sink_k.data_ptr<float>();
+  const float* sv = sink_v.data_ptr<float>();
+  std::vector<float> sink_scores(std::max<int64_t>(sinks, 1));
   for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    const int64_t b = bh / heads;
     for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r % n_queries;
+      const float* qr = a.q + (bh * rows + r) * dim;
       float top = NEG_INF;
+      for (int64_t u = 0; u < sinks; ++u) {
+        const bool ok = a.mask_base ? a.mask_base[(b * n_queries + i) * a.mask_length + u] != 0 : u <= causal_offset + i;
+        float dot = 0.f;
+        for (int64_t c = 0; c < dim; ++c) dot += qr[c] * sk[(bh * sinks + u) * dim + c];
+        sink_scores[u] = ok ? dot * a.scale : NEG_INF;
+        top = std::max(top, sink_scores[u]);
+      }
       for (int64_t s = 0; s < a.splits; ++s) top = std::max(top, a.part_max[(bh * a.splits + s) * rows + r]);
-      om[bh * rows + r] = top;
       if (top == NEG_INF) continue;
-      float* out = oa + (bh * rows + r) * dim;
+      float* o = po + (bh * rows + r) * dim;
+      float total = 0.f;
       for (int64_t s = 0; s < a.splits; ++s) {
         const int64_t item = bh * a.splits + s;
-        if (a.part_max[item * rows + r] == NEG_INF) continue;
-        const float w = std::exp(a.part_max[item * rows + r] - top);
-        os[bh * rows + r] += a.part_sum[item * rows + r] * w;
+        const float m = a.part_max[item * rows + r];
+        if (m == NEG_INF) continue;
+        const float w = std::exp(m - top);
+        total += a.part_sum[item * rows + r] * w;
         const float* src = a.part_acc + (item * rows + r) * dim;
-        for (int64_t c = 0; c < dim; ++c) out[c] += src[c] * w;
+        for (int64_t c = 0; c < dim; ++c) o[c] += src[c] * w;
       }
-      hadamard_row(out, dim, values.rotation);
+      hadamard_row(o, dim, values.rotation);
+      for (int64_t u = 0; u < sinks; ++u) {
+        if (sink_scores[u] == NEG_INF) continue;
+        const float w = std::exp(sink_scores[u] - top);
+        total += w;
+        for (int64_t c = 0; c < dim; ++c) o[c] += w * sv[(bh * sinks + u) * dim + c];
+      }
+      for (int64_t c = 0; c < dim; ++c) o[c] /= total;
     }
   }
-  return {acc, mx, sm};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stream_attention", &stream_attention, "decode attention over packed codec storage (CPU)");
+  return out;
 }

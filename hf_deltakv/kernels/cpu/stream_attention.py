@@ -19,6 +19,8 @@ def _channel_major(table: torch.Tensor) -> torch.Tensor:
 
 def stream_attention(
     query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
     cos: torch.Tensor | None,
@@ -28,15 +30,16 @@ def stream_attention(
     causal_offset: int,
     scale: float,
     length: int,
-    value_dim: int,
     extension,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the compiled kernel; arguments as in `reference.stream_attention`, streams given by their layouts."""
+) -> torch.Tensor:
+    """Run the compiled kernel; arguments as in `reference.stream_attention`, the streams given by their layouts."""
     aligned = math.lcm(*(layout.meta[6] if layout.meta[0] == 1 else 1 for layout in (keys, values)))
     split = -(-TOKENS_PER_ITEM // aligned) * aligned  # delta streams: every work item starts on a keyframe
     empty = query.new_empty(0)
     return extension.stream_attention(
         query.float().contiguous(),
+        sink_keys.float().contiguous(),
+        sink_values.float().contiguous(),
         keys.tensors,
         keys.meta,
         values.tensors,
@@ -48,6 +51,5 @@ def stream_attention(
         causal_offset,
         float(scale),
         length,
-        value_dim,
         split,
     )

@@ -1,0 +1,184 @@
+// Encoding one decoded token on the CPU: block quantization (q4_0, q4_1, q8_0 and the 16-wide variants) and the
+// delta codec's closed-loop inter/intra step. Specifications: hf_deltakv.quant.quantize and
+// hf_deltakv.codecs.delta.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
+// arithmetic in the reference's order, with no fused multiply-adds.
+#pragma GCC optimize("fp-contract=off")
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Format : int64_t { Q4_SYM = 1, Q4_ASYM = 2, Q8 = 3 };
+constexpr float FP16_MAX = 65504.0f;
+
+inline float clampf(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
+inline float reciprocal(float d) { return d == 0.f ? 0.f : 1.0f / d; }
+inline float finite_or_zero(float x) { return std::isfinite(x) ? x : 0.f; }
+
+struct Coded {
+  int64_t bytes, n_blocks;
+};
+
+// Quantize one block of `bs` values into `codes` (packed), its fp16 scale (and min); mirrors quant/blocks.py.
+void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, at::Half* scale, at::Half* min) {
+  bool finite = true;
+  for (int64_t j = 0; j < bs; ++j) finite = finite && std::isfinite(x[j]);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (format == Q8) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < bs; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = std::min(amax / 127.0f, FP16_MAX);
+    const float inv = reciprocal(d);
+    for (int64_t j = 0; j < bs; ++j) {
+      const float v = x[j] * inv;
+      const float r = finite_or_zero(std::copysign(std::floor(std::fabs(v) + 0.5f), v) * (v == 0.f ? 0.f : 1.f));
+      codes[j] = static_cast<uint8_t>(static_cast<int8_t>(clampf(r, -127.f, 127.f)));
+    }
+    *scale = at::Half(finite ? d : nan);
+    return;
+  }
+  const int64_t half = bs / 2;
+  std::vector<uint8_t> q(bs);
+  if (format == Q4_SYM) {
+    int64_t imax = 0;
+    for (int64_t j = 1; j < bs; ++j)
+      if (std::fabs(x[j]) > std::fabs(x[imax])) imax = j;
+    const float d = clampf(x[imax] / -8.0f, -FP16_MAX, FP16_MAX);
+    const float inv = reciprocal(d);
+    for (int64_t j = 0; j < bs; ++j) {
+      const float v = x[j] * inv;
+      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + 8.5f)), 0.f, 15.f));
+    }
+    *scale = at::Half(finite ? d : nan);
+  } else {
+    float hi = x[0], lo = x[0];
+    for (int64_t j = 1; j < bs; ++j) {
+      hi = std::max(hi, x[j]);
+      lo = std::min(lo, x[j]);
+    }
+    lo = clampf(lo, -FP16_MAX, FP16_MAX);
+    const float d = clampf((hi - lo) / 15.0f, -FP16_MAX, FP16_MAX);
+    const float inv = reciprocal(d);
+    for (int64_t j = 0; j < bs; ++j) {
+      const float v = (x[j] - lo) * inv;
+      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + 0.5f)), 0.f, 15.f));
+    }
+    *scale = at::Half(finite ? d : nan);
+    *min = at::Half(finite ? lo : nan);
+  }
+  for (int64_t j = 0; j < half; ++j) codes[j] = q[j] | static_cast<uint8_t>(q[j + half] << 4);
+}
+
+// Dequantize one block (reference: quant/blocks.py dequantize).
+void dequantize_block(const uint8_t* codes, float scale, float min, int64_t bs, int64_t format, float* out) {
+  if (format == Q8) {
+    for (int64_t j = 0; j < bs; ++j) out[j] = static_cast<float>(static_cast<int8_t>(codes[j])) * scale;
+    return;
+  }
+  const int64_t half = bs / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float lo = static_cast<float>(codes[j] & 0x0F), hi = static_cast<float>(codes[j] >> 4);
+    if (format == Q4_SYM) {
+      out[j] = (lo - 8.f) * scale;
+      out[j + half] = (hi - 8.f) * scale;
+    } else {
+      out[j] = lo * scale + min;
+      out[j + half] = hi * scale + min;
+    }
+  }
+}
+
+std::vector<torch::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64_t format, const torch::Tensor& like) {
+  const int64_t n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
+  auto codes = torch::empty({rows, n_blocks, bytes}, like.options().dtype(torch::kUInt8));
+  auto scales = torch::empty({rows, n_blocks}, like.options().dtype(torch::kFloat16));
+  auto mins = format == Q4_ASYM ? torch::empty({rows, n_blocks}, like.options().dtype(torch::kFloat16))
+                                : torch::empty({0}, like.options().dtype(torch::kFloat16));
+  return {codes, scales, mins};
+}
+
+}  // namespace
+
+// x: fp32 [rows, dim] contiguous. Returns {codes [rows, blocks, bytes], scales [rows, blocks], mins or empty}.
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs) {
+  const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
+  auto out = allocate(rows, dim, bs, format, x);
+  const float* px = x.data_ptr<float>();
+  uint8_t* pc = out[0].data_ptr<uint8_t>();
+  at::Half* ps = out[1].data_ptr<at::Half>();
+  at::Half* pm = out[2].numel() ? out[2].data_ptr<at::Half>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t i = r * n_blocks + b;
+      quantize_block(px + r * dim + b * bs, bs, format, pc + i * bytes, ps + i, pm ? pm + i : nullptr);
+    }
+  return out;
+}
+
+// One closed-loop step for rows of x (fp32 [rows, dim]): code x - base, and with `intra` per block the better of that
+// and x - long_term (flag in the scale's lowest bit). Returns {codes, scales, mins or empty, reconstruction}.
+std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, torch::Tensor long_term, int64_t format,
+                                           int64_t bs, bool intra) {
+  const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
+  auto out = allocate(rows, dim, bs, format, x);
+  auto recon = torch::empty_like(x);
+  const float *px = x.data_ptr<float>(), *pb = base.data_ptr<float>();
+  const float* pl = intra ? long_term.data_ptr<float>() : nullptr;
+  uint8_t* pc = out[0].data_ptr<uint8_t>();
+  at::Half* ps = out[1].data_ptr<at::Half>();
+  at::Half* pm = out[2].numel() ? out[2].data_ptr<at::Half>() : nullptr;
+  float* pr = recon.data_ptr<float>();
+  std::vector<float> residual(bs), values(bs);
+  std::vector<uint8_t> intra_codes(bytes);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t i = r * n_blocks + b, o = r * dim + b * bs;
+      uint8_t* codes = pc + i * bytes;
+      // inter: against the previous reconstruction
+      for (int64_t j = 0; j < bs; ++j) residual[j] = px[o + j] - pb[o + j];
+      at::Half scale, min;
+      quantize_block(residual.data(), bs, format, codes, &scale, &min);
+      bool use_intra = false;
+      at::Half intra_scale, intra_min;
+      if (intra) {
+        dequantize_block(codes, static_cast<float>(scale), pm ? static_cast<float>(min) : 0.f, bs, format,
+                         values.data());
+        double inter_sse = 0.0;
+        for (int64_t j = 0; j < bs; ++j) {
+          const double e = static_cast<double>((pb[o + j] + values[j]) - px[o + j]);
+          inter_sse += e * e;
+        }
+        for (int64_t j = 0; j < bs; ++j) residual[j] = px[o + j] - pl[o + j];
+        quantize_block(residual.data(), bs, format, intra_codes.data(), &intra_scale, &intra_min);
+        dequantize_block(intra_codes.data(), static_cast<float>(intra_scale), pm ? static_cast<float>(intra_min) : 0.f,
+                         bs, format, values.data());
+        double intra_sse = 0.0;
+        for (int64_t j = 0; j < bs; ++j) {
+          const double e = static_cast<double>((pl[o + j] + values[j]) - px[o + j]);
+          intra_sse += e * e;
+        }
+        use_intra = intra_sse < inter_sse;
+        if (use_intra) {
+          std::memcpy(codes, intra_codes.data(), bytes);
+          scale = intra_scale;
+          min = intra_min;
+        }
+        uint16_t bits;
+        std::memcpy(&bits, &scale, sizeof bits);
+        bits = static_cast<uint16_t>((bits & ~1u) | (use_intra ? 1u : 0u));
+        std::memcpy(&scale, &bits, sizeof bits);
+      }
+      ps[i] = scale;
+      if (pm) pm[i] = min;
+      // the reconstruction the decoder computes from what is stored (the flagged scale)
+      dequantize_block(codes, static_cast<float>(scale), pm ? static_cast<float>(min) : 0.f, bs, format, values.data());
+      const float* ref = use_intra ? pl : pb;
+      for (int64_t j = 0; j < bs; ++j) pr[o + j] = ref[o + j] + values[j];
+    }
+  return {out[0], out[1], out[2], recon};
+}

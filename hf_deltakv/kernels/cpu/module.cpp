@@ -1,0 +1,19 @@
+// The Python module of the CPU kernels (one extension, several sources).
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor stream_attention(torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v,
+                               std::vector<torch::Tensor> key_state, std::vector<int64_t> key_meta,
+                               std::vector<torch::Tensor> value_state, std::vector<int64_t> value_meta,
+                               torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t n_queries,
+                               int64_t causal_offset, double scale, int64_t length, int64_t split);
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs);
+std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, torch::Tensor long_term, int64_t format,
+                                           int64_t bs, bool intra);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream_attention", &stream_attention, "decode attention over packed codec storage");
+  m.def("quantize_rows", &quantize_rows, "block quantization of rows (q4_0, q4_1, q8_0 families)");
+  m.def("code_delta_rows", &code_delta_rows, "one closed-loop delta step (inter/intra per block)");
+}
