@@ -42,16 +42,20 @@ def _format_id(q: QuantizedTensor) -> int | None:
     return Q4_ASYM if q.mins is not None else Q4_SYM
 
 
-def _blocks(q: QuantizedTensor | None, dim: int, empty: torch.Tensor) -> tuple[list[torch.Tensor], list[int]] | None:
+EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)  # absent tensors (the kernels read CPU tensors only)
+EMPTY_HALF = torch.empty(0, dtype=torch.float16)
+
+
+def _blocks(q: QuantizedTensor | None, dim: int) -> tuple[list[torch.Tensor], list[int]] | None:
     """(codes as bytes, scales, mins) and (format, block); None when the blocks do not tile `dim` exactly."""
     if q is None:
-        return [empty.to(torch.uint8), empty.half(), empty.half()], [F16, 1]
+        return [EMPTY_BYTES, EMPTY_HALF, EMPTY_HALF], [F16, 1]
     block = q.fmt.block_size
     if dim % block:
         return None
     codes = q.codes.contiguous().view(torch.uint8)
-    scales = q.scales.contiguous() if q.scales is not None else empty.half()
-    mins = q.mins.contiguous() if q.mins is not None else empty.half()
+    scales = q.scales.contiguous() if q.scales is not None else EMPTY_HALF
+    mins = q.mins.contiguous() if q.mins is not None else EMPTY_HALF
     return [codes, scales, mins], [_format_id(q), block]
 
 
@@ -60,16 +64,15 @@ def describe(codec: StreamCodec, dim: int) -> StreamLayout | None:
     rotation = 0
     if isinstance(codec, RotatedCodec):
         rotation, codec = rotation_block(dim), codec.inner
-    empty = torch.empty(0)
     if isinstance(codec, PlainCodec) and codec.stored is not None:
-        blocks = _blocks(codec.stored, dim, empty)
+        blocks = _blocks(codec.stored, dim)
         return None if blocks is None else StreamLayout(blocks[0], [PLAIN, rotation, *blocks[1]])
     if isinstance(codec, DeltaCodec) and codec.reference == "previous" and codec.keyframes is not None:
-        deltas = _blocks(codec.deltas, dim, empty)
-        keyframes = _blocks(codec.keyframes, dim, empty)
+        deltas = _blocks(codec.deltas, dim)
+        keyframes = _blocks(codec.keyframes, dim)
         if deltas is None or keyframes is None:
             return None
-        means = codec.means.contiguous() if codec.means is not None and codec.mean_reference else empty.half()
+        means = codec.means.contiguous() if codec.means is not None and codec.mean_reference else EMPTY_HALF
         meta = [DELTA, rotation, *deltas[1], *keyframes[1], codec.kf, int(codec.intra)]
         return StreamLayout([*deltas[0], *keyframes[0], means], meta)
     return None

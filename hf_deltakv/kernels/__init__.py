@@ -100,13 +100,13 @@ def stream_attention(
     q8_0, f16 and their 16-wide variants, rotated or not, keys and values of one width; anything else, and every
     call when the kernel cannot be built, runs the chunked reference.
     """
-    from ..codecs.layout import describe
-
     dim, value_dim = query.shape[-1], sink_values.shape[-1]
-    keys, values = describe(key_codec, dim), describe(value_codec, value_dim)
-    if keys is not None and values is not None and value_dim == dim and dim in (32, 64, 128, 256):
-        compiled = _cpu_extension(query.device)
-        if compiled is not None:
+    compiled = _cpu_extension(query.device) if value_dim == dim and dim in (32, 64, 128, 256) else None
+    if compiled is not None:
+        from ..codecs.layout import describe
+
+        keys, values = describe(key_codec, dim), describe(value_codec, value_dim)
+        if keys is not None and values is not None:
             from .cpu.stream_attention import stream_attention as kernel
 
             args = (cos, sin, mask, n_queries, causal_offset, scale, key_codec.length, compiled)

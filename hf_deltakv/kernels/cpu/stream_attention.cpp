@@ -25,7 +25,6 @@ enum Format : int64_t { F16 = 0, Q4_SYM = 1, Q4_ASYM = 2, Q8 = 3 };
 constexpr int TILE = 32;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-inline float half_to_float(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 
 // Packed rows of one block format: row r of a [B, H, N, ...] tensor is (b * H + h) * N + i.
 struct Blocks {
@@ -107,6 +106,31 @@ inline int64_t snapshots(int64_t t) {
   return 4 + (t - 1024) / 2048;
 }
 
+// Position of a token in its keyframe group, advanced token by token.
+struct Cursor {
+  int64_t group = 0, offset = 0;
+  void start(int64_t t, int64_t kf) { group = t / kf, offset = t % kf; }
+  void advance(int64_t kf) {
+    if (++offset == kf) offset = 0, ++group;
+  }
+};
+
+// The current mean snapshot of one head in fp32 (snapshots change a handful of times per stream).
+struct MeanCache {
+  int64_t key = -1;
+  std::vector<float> values;
+  const float* at(const at::Half* means, int64_t head_row, int64_t snap, int64_t dim) {
+    if (!means || snap < 0) return nullptr;
+    if (key != head_row + snap) {
+      values.resize(dim);
+      const at::Half* src = means + (head_row + snap) * dim;
+      for (int64_t c = 0; c < dim; ++c) values[c] = static_cast<float>(src[c]);
+      key = head_row + snap;
+    }
+    return values.data();
+  }
+};
+
 // One stream (keys or values): plain blocks, or keyframes + closed-loop deltas; optionally Hadamard-rotated.
 struct Stream {
   bool delta = false, intra = false;
@@ -134,38 +158,63 @@ struct Stream {
     }
   }
 
-  // Reconstruct token t of head bh into `out`; `running` carries the closed loop (unrotated basis).
-  void token(int64_t bh, int64_t t, float* running, float* out, float* scratch) const {
+  // Reconstruct token t of head bh into `out`. `running` carries the closed loop (unrotated basis); `cur` is the
+  // token's (group, offset) in its keyframe group, advanced by the caller (no divisions per token); `mean` caches
+  // the float copy of the current mean snapshot.
+  void token(int64_t bh, int64_t t, Cursor& cur, float* running, float* out, float* scratch, MeanCache& mean) const {
     if (!delta) {
       plain.row(bh * plain.rows_per_head + t, out);
       return;
     }
-    const int64_t offset = t % kf, group = t / kf;
-    if (offset == 0) {
-      keyframes.row(bh * keyframes.rows_per_head + group, running);
+    if (cur.offset == 0) {
+      keyframes.row(bh * keyframes.rows_per_head + cur.group, running);
     } else {
-      const at::Half* s = deltas.row(bh * deltas.rows_per_head + group * (kf - 1) + offset - 1, scratch);
-      if (!intra) {
-        for (int64_t c = 0; c < dim; ++c) running[c] += scratch[c];
+      const int64_t row = bh * deltas.rows_per_head + cur.group * (kf - 1) + cur.offset - 1;
+      const float* m = intra ? mean.at(means, bh * snapshot_rows, snapshots(t) - 1, dim) : nullptr;
+      if (deltas.format == Q4_SYM && deltas.block == 16) {
+        delta_q4<16>(row, m, running);
+      } else if (deltas.format == Q4_SYM && deltas.block == 32) {
+        delta_q4<32>(row, m, running);
       } else {
-        const int64_t snap = snapshots(t) - 1;
-        const at::Half* mean = (means && snap >= 0) ? means + (bh * snapshot_rows + snap) * dim : nullptr;
-        const int64_t block = deltas.block;
+        const at::Half* s = deltas.row(row, scratch);
         for (int64_t b = 0; b < deltas.n_blocks; ++b) {
-          const bool flagged = (reinterpret_cast<const uint16_t*>(s)[b] & 1) != 0;
-          float* r = running + b * block;
-          const float* d = scratch + b * block;
-          if (!flagged) {
-            for (int64_t j = 0; j < block; ++j) r[j] += d[j];
-          } else if (mean) {
-            for (int64_t j = 0; j < block; ++j) r[j] = half_to_float(mean, b * block + j) + d[j];
-          } else {
-            for (int64_t j = 0; j < block; ++j) r[j] = d[j];
-          }
+          const bool flagged = s && intra && (reinterpret_cast<const uint16_t*>(s)[b] & 1) != 0;
+          float* r = running + b * deltas.block;
+          const float* d = scratch + b * deltas.block;
+          for (int64_t k = 0; k < deltas.block; ++k) r[k] = (flagged ? (m ? m[b * deltas.block + k] : 0.f) : r[k]) + d[k];
         }
       }
     }
     std::copy(running, running + dim, out);
+  }
+
+  // Symmetric 4-bit deltas decoded straight into the running reconstruction (flagged blocks restart from `mean`).
+  template <int BS>
+  void delta_q4(int64_t row, const float* mean, float* running) const {
+    constexpr int HALF = BS / 2;
+    const uint8_t* c = deltas.codes + row * deltas.n_blocks * HALF;
+    const at::Half* s = deltas.scales + row * deltas.n_blocks;
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(s);
+    for (int64_t b = 0; b < deltas.n_blocks; ++b) {
+      const float scale = static_cast<float>(s[b]);
+      const uint8_t* cb = c + b * HALF;
+      float* r = running + b * BS;
+      const bool flagged = intra && (bits[b] & 1);
+      const float* base = flagged ? (mean ? mean + b * BS : nullptr) : r;
+      if (base) {
+#pragma omp simd
+        for (int k = 0; k < HALF; ++k) {
+          r[k] = base[k] + static_cast<float>((cb[k] & 0x0F) - 8) * scale;
+          r[k + HALF] = base[k + HALF] + static_cast<float>((cb[k] >> 4) - 8) * scale;
+        }
+      } else {
+#pragma omp simd
+        for (int k = 0; k < HALF; ++k) {
+          r[k] = 0.f + static_cast<float>((cb[k] & 0x0F) - 8) * scale;
+          r[k + HALF] = 0.f + static_cast<float>((cb[k] >> 4) - 8) * scale;
+        }
+      }
+    }
   }
 };
 
@@ -294,13 +343,19 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   alignas(64) float kt[D * TILE];      // channel-major: rotation, RoPE and scores vectorise over tokens
   alignas(64) float v_tile[TILE * D];
   alignas(64) float k_run[D], v_run[D], scratch[D];
+  Cursor k_cur, v_cur;
+  k_cur.start(t_begin, keys.kf);
+  v_cur.start(t_begin, values.kf);
+  MeanCache k_mean, v_mean;
   std::vector<float> scores(rows * TILE);
   std::vector<uint8_t> allowed(rows * TILE);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
     const int n_tok = static_cast<int>(std::min<int64_t>(TILE, t_end - t0));
     for (int j = 0; j < n_tok; ++j) {
-      keys.token(bh, t0 + j, k_run, k_tile + j * D, scratch);
-      values.token(bh, t0 + j, v_run, v_tile + j * D, scratch);
+      keys.token(bh, t0 + j, k_cur, k_run, k_tile + j * D, scratch, k_mean);
+      values.token(bh, t0 + j, v_cur, v_run, v_tile + j * D, scratch, v_mean);
+      k_cur.advance(keys.kf);
+      v_cur.advance(values.kf);
     }
     for (int j = n_tok; j < TILE; ++j) std::fill(k_tile + j * D, k_tile + (j + 1) * D, 0.f);
     transpose_tile<D>(k_tile, kt);

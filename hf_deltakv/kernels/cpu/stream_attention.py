@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from ...codecs.layout import StreamLayout
+from ...codecs.layout import EMPTY_BYTES, StreamLayout
 
+EMPTY_FLOAT = torch.empty(0)
 TOKENS_PER_ITEM = 256  # tokens per work item: items are spread over the threads, then merged
 
 
@@ -33,9 +34,8 @@ def stream_attention(
     extension,
 ) -> torch.Tensor:
     """Run the compiled kernel; arguments as in `reference.stream_attention`, the streams given by their layouts."""
-    aligned = math.lcm(*(layout.meta[6] if layout.meta[0] == 1 else 1 for layout in (keys, values)))
+    aligned = math.lcm(keys.meta[6] if keys.meta[0] == 1 else 1, values.meta[6] if values.meta[0] == 1 else 1)
     split = -(-TOKENS_PER_ITEM // aligned) * aligned  # delta streams: every work item starts on a keyframe
-    empty = query.new_empty(0)
     return extension.stream_attention(
         query.float().contiguous(),
         sink_keys.float().contiguous(),
@@ -44,9 +44,9 @@ def stream_attention(
         keys.meta,
         values.tensors,
         values.meta,
-        _channel_major(cos) if cos is not None else empty,
-        _channel_major(sin) if sin is not None else empty,
-        mask.to(torch.uint8).contiguous() if mask is not None else empty.to(torch.uint8),
+        _channel_major(cos) if cos is not None else EMPTY_FLOAT,
+        _channel_major(sin) if sin is not None else EMPTY_FLOAT,
+        mask.to(torch.uint8).contiguous() if mask is not None else EMPTY_BYTES,
         n_queries,
         causal_offset,
         float(scale),
