@@ -167,7 +167,7 @@ class DeltaCodec(StreamCodec):
             sums = before + x.cumsum(dim=2)  # sums[:, :, i] = sum of tokens < start + i + 1
             snaps = torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2).to(torch.float16)
             self.means = append_along_seq(self.means, snaps)
-        self.running_sum = before + x.sum(dim=2, keepdim=True)
+        self.running_sum = before + (x if x.shape[2] == 1 else x.sum(dim=2, keepdim=True))
 
     def _means_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The long-term reference of tokens at `positions`, `[B, H, len(positions), D]` in fp32.
@@ -293,9 +293,14 @@ class DeltaCodec(StreamCodec):
             self.keyframes = append_along_seq(self.keyframes, key.map(lambda t: t.unsqueeze(2)))
             self.reference_state = dequantize(key).unsqueeze(2)
         else:
-            position = torch.tensor([self.length], device=x.device)
-            long_term = self._means_at(position, x.unsqueeze(2))[:, :, 0]
             base = self.reference_state[:, :, 0]
+            long_term = base  # not read without intra
+            if self.intra:
+                index = snapshot_count(self.length) - 1 if self.mean_reference and self.means is not None else -1
+                if index >= 0:
+                    long_term = self.means[:, :, min(index, self.means.shape[2] - 1)].float()
+                else:
+                    long_term = torch.zeros_like(x)
             q, recon = kernels.code_delta(x, base, long_term, self.delta_format, self.intra)
             self.deltas = append_along_seq(self.deltas, q.map(lambda t: t.unsqueeze(2)))
             if self.reference == "previous":

@@ -22,7 +22,7 @@
 namespace {
 
 enum Format : int64_t { F16 = 0, Q4_SYM = 1, Q4_ASYM = 2, Q8 = 3 };
-constexpr int TILE = 32;
+constexpr int TILE = 64;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 
