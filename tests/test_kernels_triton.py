@@ -172,3 +172,82 @@ def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, op
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
     torch.testing.assert_close(plain.reference_state, fused.reference_state, atol=1e-5, rtol=1e-5)
     assert plain.nbytes() == fused.nbytes()
+
+
+@pytest.mark.parametrize(
+    ("kf", "dim", "tokens", "rotate", "rope", "intra", "values", "masked", "per_split"),
+    [
+        (16, 32, 45, True, True, True, "q4_0", True, 1),
+        (16, 64, 77, False, True, True, "q8_0", False, None),
+        (32, 32, 70, True, False, False, "q4_1", False, 2),
+        (16, 32, 16, True, True, True, "q4_0", False, None),
+    ],
+)
+def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, intra, values, masked, per_split):
+    """The delta cache's fused decode attention (segmented scan, un-rotation and RoPE in the tile) against
+    `reference.stream_attention` on the same storage (sinks masked out, so both see the stream only)."""
+    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+    from hf_deltakv.kernels.triton.delta_attention import delta_attention, plan
+
+    torch.manual_seed(tokens + dim)
+    batch, kv_heads, group = 2, 2, 3
+    x = (torch.randn(batch, kv_heads, tokens, dim).cumsum(2) * 0.2 + torch.randn(dim) * 3).bfloat16().float()
+    v = torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float()
+
+    def wrap(codec):
+        return RotatedCodec(codec) if rotate else codec
+
+    key_codec = wrap(DeltaCodec(kf=kf, delta_format="q4_0_16", keyframe_format="q8_0", intra=intra))
+    value_codec = wrap(PlainCodec(values))
+    key_codec.append(x[:, :, :9])
+    for t in range(9, tokens):
+        key_codec.append(x[:, :, t : t + 1])
+    value_codec.append(v)
+    layout = plan(key_codec, value_codec, dim)
+    assert layout is not None
+    query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
+    cos = sin = None
+    if rope:
+        angle = torch.rand(batch, tokens, dim // 2) * 6
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    sinks = 2
+    mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
+    mask[:, :, :sinks] = False
+    if masked:
+        mask[0, :, sinks : sinks + 5] = False
+    sink_kv = torch.randn(batch, kv_heads, sinks, dim)
+    expected = reference.stream_attention(
+        query, sink_kv, sink_kv, key_codec, value_codec, cos, sin, mask, 1, sinks + tokens - 1, 0.2
+    )
+    keys, key_rotation, stored, value_rotation = layout
+    acc, _, total = delta_attention(
+        query, keys, stored, key_rotation, value_rotation, cos, sin, mask[:, 0], sinks, 0.2, per_split
+    )
+    torch.testing.assert_close(acc / total[..., None], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch_sends_the_delta_cache_to_the_triton_kernel_and_merges_the_sinks(monkeypatch):
+    """`kernels.stream_attention` on a Triton device (faked: the interpreter runs on the CPU): the fused delta kernel
+    over the stream, then the raw sinks merged in, equal to the reference over sinks and stream."""
+    import hf_deltakv.kernels as kernels
+    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+
+    torch.manual_seed(5)
+    batch, kv_heads, group, dim, tokens, sinks = 1, 2, 2, 32, 40, 3
+    keys, values = RotatedCodec(DeltaCodec(kf=16)), RotatedCodec(PlainCodec("q4_0"))
+    keys.append(torch.randn(batch, kv_heads, tokens, dim).cumsum(2) * 0.3)
+    values.append(torch.randn(batch, kv_heads, tokens, dim))
+    query = torch.randn(batch, kv_heads, group, dim)
+    sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
+    angle = torch.rand(batch, tokens, dim // 2) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    args = (query, sink_keys, sink_values, keys, values, cos, sin, None, 1, sinks + tokens - 1, 0.25)
+    expected = reference.stream_attention(*args)
+    called = []
+    from hf_deltakv.kernels.triton import delta_attention as module
+
+    original = module.delta_attention
+    monkeypatch.setattr(module, "delta_attention", lambda *a, **k: called.append(1) or original(*a, **k))
+    monkeypatch.setattr(kernels, "use_triton", lambda device: True)
+    torch.testing.assert_close(kernels.stream_attention(*args), expected, atol=1e-4, rtol=1e-4)
+    assert called

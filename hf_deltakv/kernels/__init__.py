@@ -97,10 +97,17 @@ def stream_attention(
     """Dispatching `reference.stream_attention` (attention read straight from a cache layer's packed storage).
 
     On the CPU the compiled C++ kernel (`cpu/stream_attention.cpp`) serves plain and delta storage in q4_0, q4_1,
-    q8_0, f16 and their 16-wide variants, rotated or not, keys and values of one width; anything else, and every
-    call when the kernel cannot be built, runs the chunked reference.
+    q8_0, f16 and their 16-wide variants, rotated or not, keys and values of one width. On CUDA/ROCm the Triton
+    kernel `triton/delta_attention.py` serves one query per head over DeltaKVCache's layout (delta keys, plain
+    values). Anything else, and every call when no kernel can run, goes to the chunked reference.
     """
     dim, value_dim = query.shape[-1], sink_values.shape[-1]
+    if use_triton(query.device) and n_queries == 1:
+        from .triton.delta_attention import plan
+
+        layout = plan(key_codec, value_codec, dim)
+        if layout is not None:
+            return _triton_stream_attention(query, sink_keys, sink_values, layout, cos, sin, mask, causal_offset, scale)
     compiled = _cpu_extension(query.device) if value_dim == dim and dim in (32, 64, 128, 256) else None
     if compiled is not None:
         from ..codecs.layout import describe
@@ -114,6 +121,26 @@ def stream_attention(
     return reference.stream_attention(
         query, sink_keys, sink_values, key_codec, value_codec, cos, sin, mask, n_queries, causal_offset, scale
     )
+
+
+def _triton_stream_attention(query, sink_keys, sink_values, layout, cos, sin, mask, causal_offset, scale):
+    """The Triton delta kernel over the stream, merged with the sinks by the reference's online softmax."""
+    from ..attention.chunked import OnlineSoftmax
+    from .triton.delta_attention import delta_attention
+
+    keys, key_rotation, values, value_rotation = layout
+    batch, heads, group, dim = query.shape
+    sinks = sink_keys.shape[2]
+    grouped = query.reshape(batch, heads * group, 1, dim)
+    state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + 1)
+    if sinks:
+        state.add(sink_keys, sink_values)
+    stream_mask = mask[:, 0] if mask is not None else None
+    acc, maximum, total = delta_attention(
+        query, keys, values, key_rotation, value_rotation, cos, sin, stream_mask, sinks, scale
+    )
+    state.merge(acc[:, :, :, None], maximum[..., None], total[..., None])
+    return state.result().reshape(batch, heads, group, dim)
 
 
 def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:

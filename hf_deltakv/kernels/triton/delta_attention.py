@@ -1,0 +1,282 @@
+"""Triton kernel: decode attention straight from the delta cache (flash-decoding / split-K, GQA-aware).
+Specification: `reference.stream_attention` (one query per head, the stream part; sinks are merged by the caller).
+
+Grid: (batch × kv_heads, splits). A program walks its keyframe groups; a group is one tile of `kf` tokens. It loads
+the group's q8_0 keyframe and 4-bit deltas, adds the mean snapshot where a block is intra-coded, and rebuilds the
+keys with a segmented prefix sum (`tl.associative_scan`, restarting at the keyframe and at intra blocks). The
+Hadamard rotation is undone and RoPE re-applied with two small matrix products (`x @ H` and `x @ H @ P`, `P` being
+rotate-half), then the tile is scored against every query head sharing the kv head and folded into an online
+softmax with the dequantized values. Values stay in their rotated basis (undone once on the result). Nothing is
+written back at full precision. Plain `tl` operations only (NVIDIA and AMD).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import _load_tile
+
+
+@triton.jit
+def _restart_or_add(a_value, a_reset, b_value, b_reset):
+    return tl.where(b_reset != 0, b_value, a_value + b_value), a_reset | b_reset
+
+
+@triton.jit
+def _delta_attention_kernel(
+    q_ptr,
+    kfc_ptr,
+    kfs_ptr,
+    dc_ptr,
+    ds_ptr,
+    mean_ptr,
+    h_ptr,
+    hp_ptr,
+    cos_ptr,
+    sin_ptr,
+    vc_ptr,
+    vs_ptr,
+    vm_ptr,
+    mask_ptr,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    kv_heads,
+    n_groups,
+    n_deltas,
+    n_snapshots,
+    length,
+    groups_per_split,
+    mask_length,
+    sinks,
+    scale,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    KF: tl.constexpr,
+    BS: tl.constexpr,
+    V_BLOCK: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_ASYM: tl.constexpr,
+    INTRA: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
+    ROTATE: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b = bh // kv_heads
+    g = tl.arange(0, G_PAD)
+    e = tl.arange(0, D)
+    offs = tl.arange(0, KF)
+    heads = bh * GROUP + g
+    q = tl.load(q_ptr + heads[:, None] * D + e[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    if ROTATE:
+        hm = tl.load(h_ptr + e[:, None] * D + e[None, :])
+    if ROPE:
+        hpm = tl.load(hp_ptr + e[:, None] * D + e[None, :])
+    half: tl.constexpr = BS // 2
+    blk = e // BS
+    within = e % BS
+    byte = blk * half + within % half
+    shift = (within // half) * 4
+    n_blocks: tl.constexpr = D // BS
+    v_blocks: tl.constexpr = D // V_BLOCK
+    v_bytes: tl.constexpr = D if V_BITS == 8 else D // 2
+    v_codes = vc_ptr + bh * length * v_bytes
+    v_scales = vs_ptr + bh * length * v_blocks
+    v_mins = vm_ptr + bh * length * v_blocks
+    m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, D), dtype=tl.float32)
+    first = split * groups_per_split
+    last = tl.minimum(first + groups_per_split, n_groups)
+    for grp in range(first, last):
+        tok = grp * KF + offs
+        valid = tok < length
+        kf_row = bh * n_groups + grp
+        key = tl.load(kfc_ptr + kf_row * D + e).to(tl.float32) * tl.load(kfs_ptr + kf_row * (D // 32) + e // 32).to(
+            tl.float32
+        )
+        drow = bh * n_deltas + grp * (KF - 1) + offs - 1
+        dvalid = (offs >= 1) & valid
+        packed = tl.load(dc_ptr + drow[:, None] * (D // 2) + byte[None, :], mask=dvalid[:, None], other=0)
+        code = ((packed >> shift[None, :]) & 0x0F).to(tl.float32)
+        s16 = tl.load(ds_ptr + drow[:, None] * n_blocks + blk[None, :], mask=dvalid[:, None], other=0.0)
+        delta = (code - 8.0) * s16.to(tl.float32)
+        if INTRA:
+            flag = (s16.to(tl.int16, bitcast=True) & 1) != 0
+        else:
+            flag = delta != delta  # all False
+        base = tl.zeros((KF, D), dtype=tl.float32)
+        if HAS_MEAN:
+            snap = tl.where(
+                tok < 1024,
+                (tok >= 16).to(tl.int32) + (tok >= 64).to(tl.int32) + (tok >= 256).to(tl.int32),
+                4 + (tok - 1024) // 2048,
+            )
+            snap = tl.minimum(snap - 1, n_snapshots - 1)
+            row = bh * n_snapshots + tl.maximum(snap, 0)
+            base = tl.load(mean_ptr + row[:, None] * D + e[None, :], mask=((snap >= 0) & dvalid)[:, None], other=0.0)
+            base = base.to(tl.float32)
+        value = tl.where((offs == 0)[:, None], key[None, :], tl.where(flag, base + delta, delta))
+        reset = ((offs == 0)[:, None] | flag).to(tl.int32)
+        x, _ = tl.associative_scan((value, reset), axis=0, combine_fn=_restart_or_add)
+        if ROTATE:
+            k = tl.dot(x, hm, input_precision="ieee")
+        else:
+            k = x
+        if ROPE:
+            table = (b * length + tok)[:, None] * D + e[None, :]
+            cos = tl.load(cos_ptr + table, mask=valid[:, None], other=0.0)
+            sin = tl.load(sin_ptr + table, mask=valid[:, None], other=0.0)
+            k = k * cos + tl.dot(x, hpm, input_precision="ieee") * sin
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        allowed = valid
+        if HAS_MASK:
+            allowed = allowed & (tl.load(mask_ptr + b * mask_length + sinks + tok, mask=valid, other=0) != 0)
+        scores = tl.where(allowed[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = _load_tile(v_codes, v_scales, v_mins, tok, allowed, D, V_BLOCK, V_BITS, V_ASYM)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = (bh * n_splits + split) * G_PAD + g
+    tl.store(o_ptr + out[:, None] * D + e[None, :], acc)
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+
+
+def _rotate_half_matrix(dim: int, device: torch.device) -> torch.Tensor:
+    """P with `x @ P == rotate_half(x)` (`cat(-x[half:], x[:half])`)."""
+    half = dim // 2
+    p = torch.zeros(dim, dim, device=device)
+    idx = torch.arange(half, device=device)
+    p[idx + half, idx] = -1.0
+    p[idx, idx + half] = 1.0
+    return p
+
+
+def delta_attention(
+    query: torch.Tensor,
+    key_codec,
+    values,
+    rotation: int,
+    value_rotation: int,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    sinks: int,
+    scale: float,
+    groups_per_split: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online-softmax statistics `(acc, max, sum)` of one query per head over a delta-coded key stream and a plain
+    value stream; `acc` is returned in the values' original basis.
+
+    Args:
+        query: fp32 `[batch, kv_heads, group, dim]`.
+        key_codec: the (unwrapped) `DeltaCodec` of the keys: q8_0 keyframes, symmetric 4-bit deltas.
+        values: the values' `QuantizedTensor` (plain per-token blocks).
+        rotation, value_rotation: Hadamard block of the keys / values (0: not rotated).
+        cos, sin: fp32 `[batch, tokens, dim]` or None; mask: bool `[batch, sinks + tokens]` or None.
+    """
+    from ...codecs.rotation import _hadamard, rotate
+
+    batch, kv_heads, group, dim = query.shape
+    kf, length = key_codec.kf, key_codec.length
+    keyframes, deltas = key_codec.keyframes, key_codec.deltas
+    n_groups = keyframes.scales.shape[2]
+    device = query.device
+    eye = torch.eye(dim, device=device)
+    h = torch.block_diag(*[_hadamard(rotation).to(device)] * (dim // rotation)) if rotation else eye
+    means = key_codec.means if key_codec.means is not None and key_codec.mean_reference else None
+    g_pad = max(triton.next_power_of_2(group), 1)
+    groups_per_split = groups_per_split or max(1, triton.cdiv(n_groups, 64))
+    splits = triton.cdiv(n_groups, groups_per_split)
+    o = torch.empty(batch * kv_heads, splits, g_pad, dim, dtype=torch.float32, device=device)
+    m = torch.empty(batch * kv_heads, splits, g_pad, dtype=torch.float32, device=device)
+    total = torch.empty_like(m)
+    dummy = o
+    d_codes = deltas.codes.contiguous() if deltas is not None else torch.zeros(1, dtype=torch.uint8, device=device)
+    d_scales = deltas.scales.contiguous() if deltas is not None else torch.zeros(1, dtype=torch.float16, device=device)
+    _delta_attention_kernel[(batch * kv_heads, splits)](
+        query.float().contiguous(),
+        keyframes.codes.contiguous().view(torch.int8),
+        keyframes.scales.contiguous(),
+        d_codes,
+        d_scales,
+        means.contiguous() if means is not None else dummy,
+        h.contiguous(),
+        (h @ _rotate_half_matrix(dim, device)).contiguous(),
+        cos.contiguous() if cos is not None else dummy,
+        sin.contiguous() if sin is not None else dummy,
+        values.codes.contiguous().view(torch.int8) if values.fmt.bits == 8 else values.codes.contiguous(),
+        values.scales.contiguous(),
+        values.mins.contiguous() if values.mins is not None else values.scales.contiguous(),
+        mask.to(torch.uint8).contiguous() if mask is not None else dummy,
+        o,
+        m,
+        total,
+        kv_heads,
+        n_groups,
+        deltas.scales.shape[2] if deltas is not None else 0,
+        means.shape[2] if means is not None else 1,
+        length,
+        groups_per_split,
+        mask.shape[-1] if mask is not None else 0,
+        sinks,
+        float(scale),
+        GROUP=group,
+        G_PAD=g_pad,
+        D=dim,
+        KF=kf,
+        BS=deltas.fmt.block_size if deltas is not None else 16,
+        V_BLOCK=values.fmt.block_size,
+        V_BITS=values.fmt.bits,
+        V_ASYM=values.mins is not None,
+        INTRA=key_codec.intra,
+        HAS_MEAN=means is not None,
+        ROTATE=bool(rotation),
+        ROPE=cos is not None,
+        HAS_MASK=mask is not None,
+    )
+    top = m.amax(dim=1, keepdim=True)
+    weight = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - top))
+    acc = (o * weight[..., None]).sum(1)[:, :group]
+    acc = rotate(acc, inverse=True) if value_rotation else acc
+    shape = (batch, kv_heads, group)
+    return (
+        acc.view(*shape, dim),
+        top.squeeze(1)[:, :group].reshape(shape),
+        (total * weight).sum(1)[:, :group].view(shape),
+    )
+
+
+def plan(key_codec, value_codec, dim: int):
+    """`(delta codec, key rotation, value storage, value rotation)` when this kernel reads the streams, else None:
+    keys a `DeltaCodec` (previous-token reference, symmetric 4-bit deltas, q8_0 keyframes, kf a power of two
+    >= 16), values plain per-token blocks; head_dim a power of two, a multiple of 32."""
+    from ...codecs.delta import DeltaCodec
+    from ...codecs.plain import PlainCodec
+    from ...codecs.rotation import RotatedCodec, rotation_block
+
+    def unwrap(codec):
+        return (codec.inner, rotation_block(dim)) if isinstance(codec, RotatedCodec) else (codec, 0)
+
+    keys, key_rotation = unwrap(key_codec)
+    values, value_rotation = unwrap(value_codec)
+    if dim % 32 or dim & (dim - 1) or not isinstance(keys, DeltaCodec) or not isinstance(values, PlainCodec):
+        return None
+    kf = keys.kf
+    if keys.reference != "previous" or kf < 16 or kf & (kf - 1) or keys.keyframe_format != "q8_0":
+        return None
+    if keys.delta_format not in ("q4_0", "q4_0_16") or values.stored is None or values.fmt == "f16":
+        return None
+    return keys, key_rotation, values.stored, value_rotation
