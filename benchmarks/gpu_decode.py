@@ -1,14 +1,15 @@
-"""Decode attention on a GPU: fp16 SDPA over a full-precision cache vs our fused kernel reading packed codes.
+"""Decode attention on a GPU: fp16 SDPA over a full-precision cache vs our fused kernels reading packed codes.
 
 For each context length: one decode step's attention (SmolLM2-like shapes scaled up: 32 query heads, 8 kv heads,
-head_dim 128, batch 1 by default), latency by CUDA events (median of `--iters`), bytes of the cache read, and the
-kernel's maximum error against the PyTorch reference. Written to benchmarks/results/gpu_decode.json.
+head_dim 128, batch 1 by default), latency by CUDA events (median of `--iters`), bytes of the cache read, and each
+kernel's maximum error against its PyTorch reference. Two kernels: q4_0 keys and values (QuantizedKVCache), and
+DeltaKVCache's layout (rotated pre-RoPE delta keys with RoPE re-applied in the kernel, rotated q4_0 values), through
+the same dispatch the model uses (`kernels.stream_attention`). Then, with `--e2e`, end-to-end decode tokens/s of the
+embedded model (prefill in the usual path, then 16 greedy steps) with DynamicCache + SDPA against DeltaKVCache inside
+`compressed_attention`. Written to benchmarks/results/gpu_decode.json.
 
-    python benchmarks/gpu_decode.py                                # < 5 min on one H200
+    python benchmarks/gpu_decode.py --e2e                          # < 5 min on one H200
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 64 --iters 1   # smoke test
-
-End-to-end tokens/s needs attention to read the compressed cache inside the model (not wired yet); this script
-measures the attention op the speed comes from.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def run(context: int, args: argparse.Namespace) -> dict:
     error = (fused() - expected).abs().max().item()
     sdpa_ms = _time(sdpa_gqa, args.iters, device)
     fused_ms = _time(fused, args.iters, device)
+    delta = _delta_case(q, k, v, scale, args)
     return {
         "context": context,
         "sdpa_fp16_ms": sdpa_ms,
@@ -83,7 +85,76 @@ def run(context: int, args: argparse.Namespace) -> dict:
         "fp16_cache_mib": 2 * k.numel() * 2 / 2**20,
         "packed_cache_mib": (kq.nbytes() + vq.nbytes()) / 2**20,
         "max_error_vs_reference": error,
+        "delta_fused_ms": _time(delta["fused"], args.iters, device),
+        "delta_packed_cache_mib": delta["mib"],
+        "delta_max_error_vs_reference": delta["error"],
     }
+
+
+def _delta_case(q, k, v, scale, args) -> dict:
+    """DeltaKVCache's storage of `k` (as pre-RoPE keys) and `v`, and its fused attention through the dispatch."""
+    from hf_deltakv import kernels
+    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+
+    batch, kv_heads, context, dim = k.shape
+    keys = RotatedCodec(DeltaCodec(kf=32, delta_format="q4_0_16", keyframe_format="q8_0"))
+    values = RotatedCodec(PlainCodec("q4_0"))
+    keys.append(k.float().cumsum(2) / (1 + torch.arange(context, device=k.device)[:, None]))  # smooth, key-like
+    values.append(v.float())
+    angle = torch.arange(context, device=k.device)[:, None] * (
+        10000 ** (-torch.arange(dim // 2, device=k.device) / (dim // 2))
+    )
+    cos, sin = torch.cat([angle.cos()] * 2, -1)[None].float(), torch.cat([angle.sin()] * 2, -1)[None].float()
+    cos, sin = cos.expand(batch, -1, -1).contiguous(), sin.expand(batch, -1, -1).contiguous()
+    query = q.float().view(batch, kv_heads, -1, dim)
+    empty = query.new_zeros(batch, kv_heads, 0, dim)
+    call = (query, empty, empty, keys, values, cos, sin, None, 1, context - 1, scale)
+
+    def fused():
+        return kernels.stream_attention(*call)
+
+    error = (fused() - reference.stream_attention(*call)).abs().max().item()
+    return {"fused": fused, "error": error, "mib": (keys.nbytes() + values.nbytes()) / 2**20}
+
+
+@torch.no_grad()
+def end_to_end(context: int, args: argparse.Namespace, new: int = 16) -> dict:
+    """Decode tokens/s of the embedded model after a `context`-token prompt: DynamicCache (SDPA) vs DeltaKVCache read
+    by `compressed_attention`; the prompt is prefilled in the usual path (a full-precision forward) for both."""
+    from transformers import DynamicCache
+
+    from hf_deltakv import DeltaKVCache, compressed_attention
+    from hf_deltakv.models import load_model
+
+    model, _ = load_model()
+    model = model.to(args.device, torch.float16 if args.device == "cuda" else torch.float32)
+    ids = torch.randint(100, 10000, (1, context), device=args.device, generator=None)
+    speeds = {}
+    for name in ("dynamic", "delta"):
+        cache = DynamicCache() if name == "dynamic" else DeltaKVCache(model=model)
+        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        with compressed_attention(model) if name == "delta" else _nothing():
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(new):
+                logits = model(token, cache=cache, use_cache=True).logits
+                token = logits[:, -1].argmax(-1, keepdim=True)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            speeds[name] = new / (time.perf_counter() - start)
+        del cache
+    return {"context": context, "dynamic_tokens_per_s": speeds["dynamic"], "delta_tokens_per_s": speeds["delta"]}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,21 +167,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--e2e", action="store_true", help="also end-to-end decode tokens/s of the embedded model")
+    parser.add_argument("--e2e-contexts", default="4096,16384,65536")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu under TRITON_INTERPRET=1 for a smoke test", file=sys.stderr)
         return 1
     rows = [run(int(c), args) for c in args.contexts.split(",")]
-    print("| context | fp16 SDPA (ms) | fused packed (ms) | speedup | cache fp16 / packed (MiB) | max error |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| context | fp16 SDPA (ms) | q4_0 fused (ms) | speedup | delta fused (ms) | speedup "
+        "| cache fp16 / q4_0 / delta (MiB) | max error q4_0 / delta |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['context']} | {r['sdpa_fp16_ms']:.3f} | {r['fused_ms']:.3f} | {r['speedup']:.2f}x "
-            f"| {r['fp16_cache_mib']:.1f} / {r['packed_cache_mib']:.1f} | {r['max_error_vs_reference']:.1e} |"
+            f"| {r['delta_fused_ms']:.3f} | {r['sdpa_fp16_ms'] / r['delta_fused_ms']:.2f}x "
+            f"| {r['fp16_cache_mib']:.1f} / {r['packed_cache_mib']:.1f} / {r['delta_packed_cache_mib']:.1f} "
+            f"| {r['max_error_vs_reference']:.1e} / {r['delta_max_error_vs_reference']:.1e} |"
+        )
+    e2e = [end_to_end(int(c), args) for c in args.e2e_contexts.split(",")] if args.e2e else []
+    for r in e2e:
+        print(
+            f"end to end @ {r['context']}: DynamicCache {r['dynamic_tokens_per_s']:.1f} tok/s, DeltaKVCache "
+            f"(compressed attention) {r['delta_tokens_per_s']:.1f} tok/s"
         )
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"config": {**vars(args), "device_name": device_name}, "rows": rows}
+    result = {"config": {**vars(args), "device_name": device_name}, "rows": rows, "end_to_end": e2e}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
