@@ -51,6 +51,25 @@ def _load_tile(
 
 
 @triton.jit
+def fold_tile(scores, v, m_i, l_i, acc):
+    """Fold one tile (scores `[G_PAD, T]`, values `[T, D]`) into the running max, sum and weighted values."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+def combine_splits(o: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor):
+    """Merge per-split statistics (`o [rows, splits, G, D]`, `m` and `l_sum [rows, splits, G]`) by log-sum-exp:
+    returns (acc, max, sum) over the splits, acc and sum relative to that max."""
+    top = m.amax(dim=1, keepdim=True)
+    weight = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - top))
+    return (o * weight[..., None]).sum(1), top.squeeze(1), (l_sum * weight).sum(1)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr,
     kc_ptr,
@@ -104,14 +123,8 @@ def _decode_attention_kernel(
         k = _load_tile(k_codes, k_scales, k_mins, tok, valid, D, BLOCK, BITS, K_ASYM)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, BLOCK_T]
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
         v = _load_tile(v_codes, v_scales, v_mins, tok, valid, D, BLOCK, BITS, V_ASYM)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
     out = (bh * n_splits + split) * G_PAD + g
     tl.store(o_ptr + out[:, None] * D + d[None, :], acc)
     tl.store(m_ptr + out, m_i)
@@ -182,8 +195,5 @@ def decode_attention(
         HAS_MASK=mask is not None,
         BLOCK_T=block_t,
     )
-    # combine the splits (log-sum-exp)
-    top = m.amax(dim=1, keepdim=True)
-    weight = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - top))
-    out = (o * weight[..., None]).sum(1) / (l_sum * weight).sum(1)[..., None]
-    return out[:, :group].reshape(batch, q_heads, dim)
+    acc, _, total = combine_splits(o, m, l_sum)
+    return (acc / total[..., None])[:, :group].reshape(batch, q_heads, dim)

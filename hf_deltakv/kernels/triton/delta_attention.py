@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _load_tile
+from .decode_attention import _load_tile, combine_splits, fold_tile
 
 
 @triton.jit
@@ -140,14 +140,8 @@ def _delta_attention_kernel(
         if HAS_MASK:
             allowed = allowed & (tl.load(mask_ptr + b * mask_length + sinks + tok, mask=valid, other=0) != 0)
         scores = tl.where(allowed[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
         v = _load_tile(v_codes, v_scales, v_mins, tok, allowed, D, V_BLOCK, V_BITS, V_ASYM)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
     out = (bh * n_splits + split) * G_PAD + g
     tl.store(o_ptr + out[:, None] * D + e[None, :], acc)
     tl.store(m_ptr + out, m_i)
@@ -247,16 +241,10 @@ def delta_attention(
         ROPE=cos is not None,
         HAS_MASK=mask is not None,
     )
-    top = m.amax(dim=1, keepdim=True)
-    weight = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - top))
-    acc = (o * weight[..., None]).sum(1)[:, :group]
+    acc, top, total = (t[:, :group] for t in combine_splits(o, m, total))
     acc = rotate(acc, inverse=True) if value_rotation else acc
     shape = (batch, kv_heads, group)
-    return (
-        acc.view(*shape, dim),
-        top.squeeze(1)[:, :group].reshape(shape),
-        (total * weight).sum(1)[:, :group].view(shape),
-    )
+    return acc.reshape(*shape, dim), top.reshape(shape), total.reshape(shape)
 
 
 def plan(key_codec, value_codec, dim: int):
