@@ -272,7 +272,7 @@ class PositionLog:
             raise ValueError(f"position log holds {have} tokens but a layer appended at {start}")
         ids = ids.to(torch.int32)
         self.ids = ids.clone() if self.ids is None else torch.cat([self.ids, ids], dim=1)
-        self._forget_table()
+        self._forget_tables()
 
     def cos_sin(self, rope: RopeInverter, begin: int, end: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin of tokens `begin:end`, computed once per step and shared by every layer that asks.
@@ -291,7 +291,7 @@ class PositionLog:
             self._tables[key] = tuple(channel_major)
         return self._tables[key]
 
-    def _forget_table(self) -> None:
+    def _forget_tables(self) -> None:
         self._tables = {}
 
     def nbytes(self) -> int:
@@ -300,8 +300,8 @@ class PositionLog:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.ids is not None:
             self.ids = fn(self.ids)
-        self._forget_table()
+        self._forget_tables()
 
     def reset(self) -> None:
         self.ids = None
-        self._forget_table()
+        self._forget_tables()

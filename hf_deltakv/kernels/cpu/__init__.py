@@ -9,30 +9,41 @@ compiler) the callers fall back to the PyTorch reference, with one warning.
 from __future__ import annotations
 
 import functools
+import platform
 import warnings
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("stream_attention.cpp", "encode.cpp", "module.cpp")]
 
 
+def _flag_sets() -> list[tuple[list[str], list[str]]]:
+    """Compiler and linker flags to try in turn: optimised for this CPU with OpenMP threads, then without OpenMP
+    (compilers without it, such as Apple's clang), so the kernels still build, single-threaded."""
+    native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
+    return [(["-O3", *native, "-fopenmp"], ["-fopenmp"]), (["-O3", *native], [])]
+
+
 @functools.cache
 def extension():
     """The compiled module, or None when it cannot be built here (warns once)."""
-    try:
-        from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load
 
-        return load(
-            name="hf_deltakv_cpu",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as error:  # compiler, ninja or headers missing: the reference still works
-        warnings.warn(
-            f"hf_deltakv: the CPU attention kernel could not be built ({type(error).__name__}: {error}); "
-            "using the slower PyTorch reference. Install a C++ compiler and `pip install ninja` to enable it.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+    errors = []
+    for cflags, ldflags in _flag_sets():
+        try:
+            return load(
+                name="hf_deltakv_cpu",
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                verbose=False,
+            )
+        except Exception as error:  # compiler, ninja or headers missing: the reference still works
+            errors.append(f"{type(error).__name__}: {error}")
+    warnings.warn(
+        f"hf_deltakv: the CPU kernels could not be built ({errors[-1]}); using the slower PyTorch reference. "
+        "Install a C++ compiler and `pip install ninja` to enable them.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
