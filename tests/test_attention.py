@@ -232,3 +232,24 @@ def test_chunked_attention_equals_sdpa():
     mask = torch.ones(5, 40, dtype=torch.bool).tril(diagonal=35)
     expected = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_read_the_cache(dtype):
+    """Sinks and queries in the model's dtype reach the kernels as fp32; the output goes back in the model's dtype."""
+    model = tiny_model("llama", dtype)
+    ids = _ids(1, 20)
+    with compressed_attention(model):
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
+    assert out.shape == (1, 26)
+    cache = DeltaKVCache(kf=4, model=model)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    layer = cache.layers[0]
+    keys, values = layer.reconstruct()
+    query = torch.randn(1, model.config.num_attention_heads, 1, keys.shape[-1]).to(dtype)
+    group = query.shape[1] // keys.shape[1]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1), scale=0.2
+    )
+    torch.testing.assert_close(layer.attend(query, None, 0.2), expected, rtol=2e-2, atol=2e-2)
