@@ -39,6 +39,15 @@ def test_chunked_appends_equal_one_shot(name):
     torch.testing.assert_close(whole.decode(), pieces.decode(), rtol=0, atol=1e-5)
 
 
+def test_snapshot_count_of_one_position_equals_the_tensor_version():
+    from hf_deltakv.codecs.delta import snapshot_count, snapshots_at_or_before
+
+    positions = [*range(0, 1100), 3071, 3072, 5119, 5120, 100_000]
+    expected = snapshots_at_or_before(torch.tensor(positions)).tolist()
+    assert [snapshot_count(t) for t in positions] == expected
+    assert expected[:17] == [0] * 16 + [1] and snapshot_count(1024) == 4 and snapshot_count(3072) == 5
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -7,9 +7,26 @@ whatever the context length (flash-decoding's split-K combine, in plain PyTorch)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+
+CHUNK_TOKENS = 512  # stored tokens reconstructed at a time (the bound on transient memory; a multiple of common kf)
+
+
+def codec_chunks(
+    key_codec, value_codec, cos: torch.Tensor | None, sin: torch.Tensor | None, chunk: int = CHUNK_TOKENS
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """`(start, keys, values)` of a codec-stored stream, `chunk` tokens at a time, keys with RoPE re-applied from
+    `cos`, `sin` (`[batch, tokens, dim]`) when the codec holds them before RoPE."""
+    from ..rope import apply_rope
+
+    for start in range(0, key_codec.length, chunk):
+        end = min(start + chunk, key_codec.length)
+        keys = key_codec.decode_range(start, end)
+        if cos is not None:
+            keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
+        yield start, keys, value_codec.decode_range(start, end)
 
 
 class OnlineSoftmax:

@@ -24,7 +24,8 @@ from ..quant import QuantizedTensor, dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq, check_range, slice_seq
 
 REFERENCES = ("previous", "keyframe")
-FIRST_SNAPSHOT, LAST_GROWING, LATER_INTERVAL = 16, 1024, 2048
+GROWING_POINTS = (16, 64, 256)  # mean snapshots taken before LAST_GROWING, which is the fourth
+LAST_GROWING, LATER_INTERVAL = 1024, 2048
 
 
 def snapshots_at_or_before(index: torch.Tensor) -> torch.Tensor:
@@ -33,16 +34,16 @@ def snapshots_at_or_before(index: torch.Tensor) -> torch.Tensor:
     Snapshots are taken at 16, 64, 256 and 1024 tokens (the mean settles fast), then every 2048 tokens.
     """
     t = index.long()
-    growing = (torch.log2(t.clamp(min=1).double() / FIRST_SNAPSHOT) / 2).floor().long() + 1
-    later = 4 + (t - LAST_GROWING) // LATER_INTERVAL
-    return torch.where(t < FIRST_SNAPSHOT, 0, torch.where(t < LAST_GROWING, growing, later))
+    growing = sum((t >= point).long() for point in GROWING_POINTS)
+    later = len(GROWING_POINTS) + 1 + (t - LAST_GROWING) // LATER_INTERVAL
+    return torch.where(t < LAST_GROWING, growing, later)
 
 
 def snapshot_count(t: int) -> int:
     """`snapshots_at_or_before` of one position, in Python integers (no tensor ops on the per-token path)."""
     if t < LAST_GROWING:
-        return sum(t >= FIRST_SNAPSHOT * 4**k for k in range(3))
-    return 4 + (t - LAST_GROWING) // LATER_INTERVAL
+        return sum(t >= point for point in GROWING_POINTS)
+    return len(GROWING_POINTS) + 1 + (t - LAST_GROWING) // LATER_INTERVAL
 
 
 def _with_flags(q: QuantizedTensor, flags: torch.Tensor) -> QuantizedTensor:
@@ -169,16 +170,20 @@ class DeltaCodec(StreamCodec):
             self.means = append_along_seq(self.means, snaps)
         self.running_sum = before + (x if x.shape[2] == 1 else x.sum(dim=2, keepdim=True))
 
-    def _means_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The long-term reference of tokens at `positions`, `[B, H, len(positions), D]` in fp32.
+    def _snapshot_index(self, position: int) -> int:
+        """Index in `means` of the long-term reference of the token at `position` (-1: none yet, zero reference);
+        positions past the stream (the rest of an unfinished group) get the newest snapshot: they are never coded."""
+        if not self.mean_reference or self.means is None:
+            return -1
+        return min(snapshot_count(position) - 1, self.means.shape[2] - 1)
 
-        Positions past the stream (the rest of an unfinished group) get the newest snapshot: they are never coded.
-        """
+    def _means_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The long-term reference of tokens at `positions` (see `_snapshot_index`), `[B, H, n, D]` in fp32."""
         batch, heads, _, dim = like.shape
         if not self.mean_reference or self.means is None or not positions.numel():
             return torch.zeros(batch, heads, positions.numel(), dim, device=like.device)
         n, newest = positions.numel(), self.means.shape[2] - 1
-        first, last = (min(snapshot_count(int(positions[i])) - 1, newest) for i in (0, -1))
+        first, last = (self._snapshot_index(int(positions[i])) for i in (0, -1))
         if first == last:  # one snapshot for all (a decoded token's group): a broadcast slice, no table rebuild
             if first < 0:
                 return torch.zeros(batch, heads, n, dim, device=like.device)
@@ -296,11 +301,8 @@ class DeltaCodec(StreamCodec):
             base = self.reference_state[:, :, 0]
             long_term = base  # not read without intra
             if self.intra:
-                index = snapshot_count(self.length) - 1 if self.mean_reference and self.means is not None else -1
-                if index >= 0:
-                    long_term = self.means[:, :, min(index, self.means.shape[2] - 1)].float()
-                else:
-                    long_term = torch.zeros_like(x)
+                index = self._snapshot_index(self.length)
+                long_term = self.means[:, :, index].float() if index >= 0 else torch.zeros_like(x)
             q, recon = kernels.code_delta(x, base, long_term, self.delta_format, self.intra)
             self.deltas = append_along_seq(self.deltas, q.map(lambda t: t.unsqueeze(2)))
             if self.reference == "previous":

@@ -34,7 +34,7 @@ class StreamLayout:
     meta: list[int]
 
 
-def _format_id(q: QuantizedTensor) -> int | None:
+def _format_id(q: QuantizedTensor) -> int:
     if q.fmt.name == "f16":
         return F16
     if q.fmt.bits == 8:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.chunked import CHUNK_TOKENS
 from ..quant import QuantizedTensor, dequantize, quantize
 
 __all__ = [
@@ -164,7 +165,7 @@ def stream_attention(
     n_queries: int,
     causal_offset: int,
     scale: float,
-    chunk: int = 512,
+    chunk: int = CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Attention over a cache layer's raw sink tokens followed by its codec-stored stream, read chunk by chunk.
 
@@ -183,8 +184,7 @@ def stream_attention(
     Returns:
         fp32 `[batch, kv_heads, rows, value_dim]`; a row that may attend no token gets zeros.
     """
-    from ..attention.chunked import OnlineSoftmax
-    from ..rope import apply_rope
+    from ..attention.chunked import OnlineSoftmax, codec_chunks
 
     batch, heads, rows, dim = query.shape
     grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
@@ -192,11 +192,7 @@ def stream_attention(
     sinks = sink_keys.shape[2]
     if sinks:
         state.add(sink_keys, sink_values)
-    for start in range(0, key_codec.length, chunk):
-        end = min(start + chunk, key_codec.length)
-        keys = key_codec.decode_range(start, end)
-        if cos is not None:
-            keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
-        state.add(keys, value_codec.decode_range(start, end), sinks + start)
+    for start, keys, values in codec_chunks(key_codec, value_codec, cos, sin, chunk):
+        state.add(keys, values, sinks + start)
     out = state.result()
     return out.reshape(batch, heads, rows, out.shape[-1])

@@ -124,13 +124,9 @@ class StreamLayer(CacheLayerMixin):
         state = OnlineSoftmax(query, scale, mask, self.cumulative_length)
         if self.sink_keys is not None:
             state.add(self.sink_keys, self.sink_values)
-        self._attend_stream(state)
-        return state.result()
-
-    def _attend_stream(self, state: OnlineSoftmax) -> None:
-        """Fold the tokens after the sinks into `state` (subclasses may use a fused kernel here)."""
         for keys, values in self._stream_chunks():
             state.add(keys, values)
+        return state.result()
 
     def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Keys (with RoPE) and values of the tokens after the sinks, in order, in chunks (default: one)."""

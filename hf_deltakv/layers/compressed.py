@@ -7,11 +7,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import kernels
+from ..attention.chunked import codec_chunks
 from ..codecs.base import StreamCodec
 from ..rope import RopeInverter
 from .base import PositionLog, StreamLayer
-
-CHUNK_TOKENS = 512  # tokens reconstructed at a time when attention reads the cache (a multiple of common kf)
 
 
 class CompressedLayer(StreamLayer):
@@ -61,10 +60,7 @@ class CompressedLayer(StreamLayer):
         stored = self.key_codec.length
         if not stored or (mask is not None and mask.shape[1] != 1):  # per-head masks: the generic chunked path
             return super().attend(query, mask, scale)
-        sinks = self.cumulative_length - stored
-        cos = sin = None
-        if self.rope is not None:
-            cos, sin = (t[:, 0] for t in self._cos_sin(sinks, self.cumulative_length))
+        cos, sin = self._stream_rope()
         batch, q_heads, n, dim = query.shape
         group = q_heads // self.kv_heads
         if self.sink_keys is not None:
@@ -88,14 +84,16 @@ class CompressedLayer(StreamLayer):
         return out.reshape(batch, q_heads, n, self.value_dim)
 
     def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        stored = self.key_codec.length
-        sinks = self.cumulative_length - stored
-        for start in range(0, stored, CHUNK_TOKENS):
-            end = min(start + CHUNK_TOKENS, stored)
-            keys = self.key_codec.decode_range(start, end)
-            if self.rope is not None:
-                keys = self.rope.redo(keys, *self._cos_sin(sinks + start, sinks + end))
-            yield keys, self.value_codec.decode_range(start, end)
+        for _, keys, values in codec_chunks(self.key_codec, self.value_codec, *self._stream_rope()):
+            yield keys, values
+
+    def _stream_rope(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos, sin `[batch, stored tokens, head_dim]` of the tokens after the sinks (None without pre-RoPE keys)."""
+        if self.rope is None:
+            return None, None
+        sinks = self.cumulative_length - self.key_codec.length
+        cos, sin = self._cos_sin(sinks, self.cumulative_length)
+        return cos[:, 0], sin[:, 0]
 
     def _stream_nbytes(self) -> int:
         return self.key_codec.nbytes() + self.value_codec.nbytes()

@@ -51,6 +51,24 @@ def _load_tile(
 
 
 @triton.jit
+def load_queries(q_ptr, bh, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+    """The `[G_PAD, D]` fp32 queries of the query heads sharing kv head `bh` (rows past GROUP are zeros)."""
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    heads = bh * GROUP + g  # rows of q viewed as [batch * kv_heads * GROUP, D]
+    return tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD: tl.constexpr, D: tl.constexpr):
+    """One split's running statistics, combined afterwards by `combine_splits`."""
+    out = (bh * n_splits + split) * G_PAD + tl.arange(0, G_PAD)
+    tl.store(o_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc)
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+
+
+@triton.jit
 def fold_tile(scores, v, m_i, l_i, acc):
     """Fold one tile (scores `[G_PAD, T]`, values `[T, D]`) into the running max, sum and weighted values."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -100,10 +118,7 @@ def _decode_attention_kernel(
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     b = bh // kv_heads
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
-    heads = bh * GROUP + g  # query heads of this kv head: rows of q viewed as [batch * kv_heads * GROUP, D]
-    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    q = load_queries(q_ptr, bh, GROUP, G_PAD, D)
     n_blocks: tl.constexpr = D // BLOCK
     code_bytes: tl.constexpr = D if BITS == 8 else D // 2
     head_tokens = bh * n_tokens
@@ -125,10 +140,7 @@ def _decode_attention_kernel(
         scores = tl.where(valid[None, :], scores, float("-inf"))
         v = _load_tile(v_codes, v_scales, v_mins, tok, valid, D, BLOCK, BITS, V_ASYM)
         m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
-    out = (bh * n_splits + split) * G_PAD + g
-    tl.store(o_ptr + out[:, None] * D + d[None, :], acc)
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
+    store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD, D)
 
 
 def _flat(q: QuantizedTensor, name: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _load_tile, combine_splits, fold_tile
+from .decode_attention import _load_tile, combine_splits, fold_tile, load_queries, store_partials
 
 
 @triton.jit
@@ -70,11 +70,9 @@ def _delta_attention_kernel(
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     b = bh // kv_heads
-    g = tl.arange(0, G_PAD)
     e = tl.arange(0, D)
     offs = tl.arange(0, KF)
-    heads = bh * GROUP + g
-    q = tl.load(q_ptr + heads[:, None] * D + e[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    q = load_queries(q_ptr, bh, GROUP, G_PAD, D)
     if ROTATE:
         hm = tl.load(h_ptr + e[:, None] * D + e[None, :])
     if ROPE:
@@ -142,10 +140,7 @@ def _delta_attention_kernel(
         scores = tl.where(allowed[None, :], scores, float("-inf"))
         v = _load_tile(v_codes, v_scales, v_mins, tok, allowed, D, V_BLOCK, V_BITS, V_ASYM)
         m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
-    out = (bh * n_splits + split) * G_PAD + g
-    tl.store(o_ptr + out[:, None] * D + e[None, :], acc)
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
+    store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD, D)
 
 
 def _rotate_half_matrix(dim: int, device: torch.device) -> torch.Tensor:
