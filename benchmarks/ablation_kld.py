@@ -15,7 +15,7 @@ from pathlib import Path
 from core_formats import DELTA_VARIANTS
 from paths import RESULTS, WIKITEXT_VALID
 
-from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
+from hf_deltakv.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
 
 VARIANTS = (
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model()
-    result = compare_caches(model, tokenizer, args.text, VARIANTS, (args.ctx,), args.windows)
+    result = compare_caches(
+        model, tokenizer, args.text, VARIANTS, (args.ctx,), args.windows, protocols=("one-forward",)
+    )
     result["config"]["text"] = Path(args.text).name
     print(markdown_table(result))
     write_json(result, args.out)

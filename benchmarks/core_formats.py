@@ -16,7 +16,7 @@ from pathlib import Path
 
 from paths import RESULTS, WIKITEXT_TEST
 
-from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
+from hf_deltakv.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
 
 # One change from the DeltaKVCache default per row (shared with ablation_kld.py).
@@ -59,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model()
-    result = compare_caches(model, tokenizer, args.text, FORMATS, (args.ctx,), args.windows)
+    result = compare_caches(model, tokenizer, args.text, FORMATS, (args.ctx,), args.windows, protocols=("one-forward",))
     print(f"## Formats at ctx {args.ctx} ({args.windows} windows)\n")
     print(markdown_table(result))
     if not args.skip_growth:
         growth_ctx = tuple(int(c) for c in args.growth_ctx.split(","))
-        growth = compare_caches(model, tokenizer, args.text, GROWTH, growth_ctx, args.growth_windows)
+        growth = compare_caches(
+            model, tokenizer, args.text, GROWTH, growth_ctx, args.growth_windows, protocols=("one-forward",)
+        )
         print(f"\n## Error growth with context ({args.growth_windows} windows each)\n")
         print(markdown_table(growth))
         result["growth"] = growth

@@ -63,7 +63,7 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
     cache = build_cache(spec.removesuffix(ATTENTION_SUFFIX), model)
     with compressed_attention(model) if reads_compressed else contextlib.nullcontext():
         if reads_compressed:  # build the CPU kernel (cached on disk after the first run) outside the timings
-            from hf_deltakv.kernels.cpu import extension
+            from hf_deltakv.ops.cpu import extension
 
             extension()
         start = time.perf_counter()

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from paths import RESULTS
 
-from hf_deltakv.kernels import reference
-from hf_deltakv.quant import quantize
+from hf_deltakv.formats import quantize
+from hf_deltakv.ops import reference
 
 
 def _time(fn, iters: int, device: str) -> float:
@@ -48,7 +48,7 @@ def _time(fn, iters: int, device: str) -> float:
 
 
 def run(context: int, args: argparse.Namespace) -> dict:
-    from hf_deltakv.kernels.triton.decode_attention import decode_attention
+    from hf_deltakv.ops.triton.decode_attention import decode_attention
 
     device, dim = args.device, args.head_dim
     dtype = torch.float16 if device == "cuda" else torch.float32  # the CPU smoke test runs SDPA in fp32

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from paths import RESULTS
 
-from hf_deltakv.eval.compare import markdown_table
+from hf_deltakv.compare import markdown_table
 
 SEED_TITLES = {
     "a": "(a) ctx 512: fp16 / q8_0 / q4_0 / delta kf 16, 32, 64, with anchors, both protocols",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from paths import RESULTS, WIKITEXT_TEST
 
-from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
+from hf_deltakv.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
 
 CACHES = ("fp16", "q4_0", "q4_0-rot", "kivi-pre-rope", "delta", "residual")

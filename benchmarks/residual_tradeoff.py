@@ -22,8 +22,8 @@ from paths import RESULTS, WIKITEXT_TEST, WIKITEXT_VALID
 from hf_deltakv import DeltaKVCache, ResidualKVCache
 from hf_deltakv.eval.perplexity import perplexity, token_windows
 from hf_deltakv.models import load_model
+from hf_deltakv.residual import ResidualLayout
 from hf_deltakv.residual.fit import fit_compressor
-from hf_deltakv.residual.window import Layout
 
 # (latent rate, stride, top_k, sensitivity windows): the rate sweep without references; references at the default
 # rate; the default with bits spread evenly over layers instead of by measured sensitivity
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for rate, stride, top_k, sensitivity in POINTS:
         began = time.perf_counter()
-        layout = Layout(stride=stride, top_k=top_k, sink_tokens=8, window=args.window, reference_format="q8_0")
+        layout = ResidualLayout(stride=stride, top_k=top_k, sink_tokens=8, window=args.window, reference_format="q8_0")
         compressor = fit_compressor(model, calibration, rate, layout, sensitivity_windows=sensitivity)
         result = perplexity(
             model, windows, lambda c=compressor: ResidualKVCache(model, c), reference=reference.logprobs

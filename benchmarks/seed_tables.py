@@ -23,7 +23,7 @@ from pathlib import Path
 
 from paths import RESULTS, WIKITEXT_TEST
 
-from hf_deltakv.eval.compare import compare_caches, markdown_table, write_json
+from hf_deltakv.compare import compare_caches, markdown_table, write_json
 from hf_deltakv.models import load_model
 from hf_deltakv.registry import CACHES
 

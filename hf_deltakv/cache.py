@@ -21,8 +21,8 @@ from .codecs.channel import ChannelGroupCodec
 from .codecs.delta import DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
+from .formats import FORMATS, get_format
 from .layers import CompressedLayer, PositionLog, StreamLayer
-from .quant import get_format
 from .rope import RopeInverter, find_rotary_embedding
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -280,11 +280,11 @@ class DeltaKVCache(CompressedKVCache):
             make_values = partial(DeltaCodec, **value_options)
         elif values == "delta":
             make_values = partial(DeltaCodec, **key_options)
-        elif isinstance(values, str) and values in _formats():
+        elif isinstance(values, str) and values in FORMATS:
             make_values = partial(PlainCodec, values)
         else:
             raise ValueError(
-                f"values must be 'delta', a dict of DeltaCodec options or one of {_formats()}, got {values!r}"
+                f"values must be 'delta', a dict of DeltaCodec options or one of {sorted(FORMATS)}, got {values!r}"
             )
         if not isinstance(rotate, bool):
             raise ValueError(f"rotate must be True or False, got {rotate!r}")
@@ -297,9 +297,3 @@ class DeltaKVCache(CompressedKVCache):
             model,
             pre_rope,
         )
-
-
-def _formats() -> list[str]:
-    from .quant import FORMATS
-
-    return sorted(FORMATS)

@@ -16,29 +16,39 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .eval.texts import BUILTIN_TEXTS
+    from .compare import DEFAULT_CTX, DEFAULT_WINDOWS
+    from .eval.perplexity import CHUNK, PROTOCOLS
+    from .eval.texts import BUILTIN_TEXTS, DEFAULT_TEXT
 
     parser = argparse.ArgumentParser(prog="hf-deltakv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    ppl = sub.add_parser("ppl", help="perplexity of several KV caches side by side")
+    names = "\n".join(f"  {name:15s} {entry.description}" for name, entry in CACHES.items())
+    ppl = sub.add_parser(
+        "ppl",
+        help="perplexity of several KV caches side by side",
+        epilog=f"caches:\n{names}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ppl.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    ppl.add_argument("--text", default="python-docs", help=f"one of {BUILTIN_TEXTS} or a text file path")
-    ppl.add_argument("--ctx", type=_ints, default=(1024,), help="context lengths, comma-separated (default 1024)")
-    ppl.add_argument("--windows", type=int, default=4, help="windows of ctx tokens per measurement (default 4)")
+    ppl.add_argument("--text", default=DEFAULT_TEXT, help=f"one of {BUILTIN_TEXTS} or a text file path")
+    ppl.add_argument(
+        "--ctx", type=_ints, default=DEFAULT_CTX, help="context lengths, comma-separated (default %(default)s)"
+    )
+    ppl.add_argument("--windows", type=int, default=DEFAULT_WINDOWS, help="windows of ctx tokens per measurement")
     ppl.add_argument(
         "--caches",
         default=None,
-        help=f"cache specs separated by ';' or ',' (first one is the reference); names: {sorted(CACHES)}; "
-        "parameters after ':' e.g. 'delta:kf=64' (default: ours, llama.cpp's formats, and transformers' "
-        "QuantizedCache with quanto and HQQ where installed)",
+        help="cache specs separated by ';' or ',' (the first one is the reference), parameters after ':' e.g. "
+        "'delta:kf=64' (default: ours, llama.cpp's formats, and transformers' QuantizedCache with quanto and HQQ "
+        "where installed); the names are listed below",
     )
     ppl.add_argument(
         "--protocols",
-        default="one-forward,chunked",
+        default=",".join(PROTOCOLS),
         help="one-forward (each window in one pass) and/or chunked (half the window prefilled, the rest fed "
         "--chunk tokens at a time so scored tokens attend to stored history); default both",
     )
-    ppl.add_argument("--chunk", type=int, default=16, help="tokens per step of the chunked protocol (default 16)")
+    ppl.add_argument("--chunk", type=int, default=CHUNK, help="tokens per step of the chunked protocol")
     ppl.add_argument("--out", default="hf-deltakv-out", help="folder for ppl.json and the PNG plots")
     ppl.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
     ppl.add_argument("--no-progress", action="store_true")
@@ -47,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_parser(sub) -> None:
+    from .residual import ResidualLayout
     from .residual.train import TrainConfig
 
     defaults = TrainConfig()
@@ -70,17 +81,20 @@ def _add_train_parser(sub) -> None:
         help="next-token loss: KL from the "
         "uncompressed model (default) or cross-entropy on the text (DeltaKV's; adapts to the text)",
     )
+    layout = ResidualLayout()
     train.add_argument(
         "--stride",
         type=int,
-        default=0,
-        help="every stride-th token is a reference (0: none, the "
-        "default: on SmolLM2 references did not pay for their bytes)",
+        default=layout.stride,
+        help="every stride-th token is a reference (0: none, the default: on SmolLM2 references did not pay for "
+        "their bytes)",
     )
-    train.add_argument("--top-k", type=int, default=1, help="nearest references averaged into a token's base")
-    train.add_argument("--sink-tokens", type=int, default=8)
-    train.add_argument("--window", type=int, default=16, help="recent tokens kept raw")
-    train.add_argument("--reference-format", default="q8_0", help="block format of references (f16 = raw)")
+    train.add_argument("--top-k", type=int, default=layout.top_k, help="nearest references averaged into a base")
+    train.add_argument("--sink-tokens", type=int, default=layout.sink_tokens)
+    train.add_argument("--window", type=int, default=layout.window, help="recent tokens kept raw")
+    train.add_argument(
+        "--reference-format", default=layout.reference_format, help="block format of references (f16 = raw)"
+    )
     train.add_argument("--no-progress", action="store_true")
 
 
@@ -101,7 +115,7 @@ def split_specs(text: str) -> tuple[str, ...]:
 def default_caches(model: str | None = None) -> tuple[str, ...]:
     """Our default comparison (with the residual cache when its built-in compressor fits the model) plus
     transformers' QuantizedCache anchors whose backend is installed."""
-    from .eval.compare import DEFAULT_CACHES
+    from .compare import DEFAULT_CACHES
     from .models import DEFAULT_MODEL
 
     ours = (*DEFAULT_CACHES, "residual") if model in (None, DEFAULT_MODEL) else DEFAULT_CACHES
@@ -133,9 +147,9 @@ def run_train_residual(args: argparse.Namespace) -> int:
 
     from .eval.texts import load_text
     from .models import load_model
+    from .residual import ResidualLayout
     from .residual.checkpoint import save_compressor
     from .residual.train import TrainConfig, train_residual
-    from .residual.window import Layout
 
     model, tokenizer = load_model(args.model)
     text = "\n\n".join(load_text(part) for part in args.text.split("+"))
@@ -155,7 +169,7 @@ def run_train_residual(args: argparse.Namespace) -> int:
         "loss",
     )
     config = TrainConfig(**{name: getattr(args, name) for name in names})
-    layout = Layout(args.stride, args.top_k, args.sink_tokens, args.window, args.reference_format)
+    layout = ResidualLayout(args.stride, args.top_k, args.sink_tokens, args.window, args.reference_format)
     compressor = train_residual(model, ids, args.out, config, layout, args.text, not args.no_progress)
     final = save_compressor(compressor, Path(args.out) / "final", dtype=torch.float16)
     print(f"wrote {final} (load with ResidualKVCache.from_pretrained({str(final)!r}, model=model))", file=sys.stderr)
@@ -165,7 +179,7 @@ def run_train_residual(args: argparse.Namespace) -> int:
 def run_ppl(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .eval.compare import compare_caches, markdown_table, write_json
+    from .compare import compare_caches, markdown_table, write_json
     from .models import load_model
 
     caches = split_specs(args.caches) if args.caches else default_caches(args.model)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import use_triton
+from .ops import use_triton
 
 __all__ = ["SkipStats", "WeightSkipHandle", "enable_weight_skip", "keep_mask"]
 
@@ -113,7 +113,7 @@ class _SkippingLinear:
     def _matvec(self, flat: torch.Tensor, keep: torch.Tensor, kept_fraction: float) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         if self.use_triton:
-            from .kernels.triton.skip_matvec import skip_matvec
+            from .ops.triton.skip_matvec import skip_matvec
 
             self.stats.blocks_read += int(keep.sum())
             return skip_matvec(flat, weight, bias, keep, self.block_size)
@@ -165,10 +165,6 @@ class WeightSkipHandle:
             total.blocks_read += s.blocks_read
         out["total"] = {**asdict(total), "skipped_fraction": total.skipped_fraction}
         return out
-
-    def reset_stats(self) -> None:
-        for linear in self._linears:
-            linear.stats = SkipStats()
 
     def remove(self) -> None:
         """Restore every module's forward and weight layout (the stats stay readable). Idempotent."""

@@ -62,19 +62,31 @@ def real_model():
     return load_model()
 
 
+DELTA_OPTIONS = dict(
+    kf=32, delta_format="q4_0", keyframe_format="q8_0", reference="previous", intra=True, mean_reference=True
+)
+
+
+def delta_codec(**options):
+    """A `DeltaCodec` for codec-level tests (the codec has no defaults of its own; these are the tests')."""
+    from hf_deltakv.codecs import DeltaCodec
+
+    return DeltaCodec(**{**DELTA_OPTIONS, **options})
+
+
 _TINY_COMPRESSORS: dict = {}
 
 
 def tiny_compressor(model, top_k: int = 2):
     """A compressor fitted (not trained) on random tokens for a tiny model, with a layout small enough that a
     12-token prompt has references, coded tokens and a window (sinks 2, stride 3, window 3)."""
+    from hf_deltakv.residual import ResidualLayout
     from hf_deltakv.residual.fit import fit_compressor
-    from hf_deltakv.residual.window import Layout
 
     key = (model.config.model_type, model.config.num_key_value_heads, str(model.dtype), top_k)
     if key not in _TINY_COMPRESSORS:
         windows = [torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-        layout = Layout(stride=3, top_k=top_k, sink_tokens=2, window=3, reference_format="q8_0")
+        layout = ResidualLayout(stride=3, top_k=top_k, sink_tokens=2, window=3, reference_format="q8_0")
         dtype = model.dtype
         with torch.no_grad():
             _TINY_COMPRESSORS[key] = fit_compressor(model.float(), windows, 4.0, layout)

@@ -1,21 +1,18 @@
 """Attention read straight from the compressed cache: the `"hf_deltakv"` attention implementation, the chunked
-reference and the compiled CPU kernel (`kernels.stream_attention`), on tiny random models."""
+reference and the compiled CPU kernel (`ops.stream_attention`), on tiny random models."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, compressed_attention, kernels
-from hf_deltakv.attention import chunked_attention
-from hf_deltakv.codecs.channel import ChannelGroupCodec
-from hf_deltakv.codecs.delta import DeltaCodec
-from hf_deltakv.codecs.layout import describe
-from hf_deltakv.codecs.plain import PlainCodec
-from hf_deltakv.codecs.rotation import RotatedCodec
-from hf_deltakv.kernels.cpu import extension
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, compressed_attention, ops
+from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
+from hf_deltakv.ops.cpu import extension
+from hf_deltakv.ops.cpu.stream_attention import supports
+from hf_deltakv.ops.online_softmax import OnlineSoftmax
 
-from .conftest import ARCHS, tiny_compressor, tiny_model
+from .conftest import ARCHS, delta_codec, tiny_compressor, tiny_model
 
 CACHES = {
     "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
@@ -137,12 +134,12 @@ CODECS = {
     "q4_1": lambda: PlainCodec("q4_1"),
     "q8_0-rot": lambda: RotatedCodec(PlainCodec("q8_0")),
     "f16": lambda: PlainCodec("f16"),
-    "delta": lambda: DeltaCodec(kf=8, delta_format="q4_0_16"),
-    "delta-rot": lambda: RotatedCodec(DeltaCodec(kf=5, delta_format="q4_0", keyframe_format="q8_0")),
-    "delta-no-intra": lambda: DeltaCodec(kf=6, intra=False, delta_format="q8_0", keyframe_format="f16"),
-    "delta-no-mean": lambda: RotatedCodec(DeltaCodec(kf=32, mean_reference=False, delta_format="q4_1")),
+    "delta": lambda: delta_codec(kf=8, delta_format="q4_0_16"),
+    "delta-rot": lambda: RotatedCodec(delta_codec(kf=5, delta_format="q4_0", keyframe_format="q8_0")),
+    "delta-no-intra": lambda: delta_codec(kf=6, intra=False, delta_format="q8_0", keyframe_format="f16"),
+    "delta-no-mean": lambda: RotatedCodec(delta_codec(kf=32, mean_reference=False, delta_format="q4_1")),
     "kivi": lambda: ChannelGroupCodec("q4_1"),
-    "delta-keyframe-ref": lambda: DeltaCodec(kf=4, reference="keyframe"),
+    "delta-keyframe-ref": lambda: delta_codec(kf=4, reference="keyframe"),
 }
 
 
@@ -177,10 +174,8 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
     if case == "masked":
         mask = torch.rand(batch, n, sinks + length, generator=g) > 0.3
         mask[1, :, :] = False  # a fully masked row: no key at all
-    args = (query, sink_keys, sink_values, keys, values, cos, sin, mask, n, sinks + length - n, 0.125)
-    torch.testing.assert_close(
-        kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
-    )
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), cos, sin, mask, n, sinks + length - n, 0.125)
+    torch.testing.assert_close(ops.stream_attention(*args), ops.reference.stream_attention(*args), rtol=2e-4, atol=2e-4)
 
 
 def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
@@ -192,9 +187,10 @@ def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
     with torch.no_grad():
         model(_ids(1, 20), cache=cache)
     layer = cache.layers[0]
-    assert describe(layer.key_codec, layer.head_dim) is not None
-    assert describe(layer.value_codec, layer.value_dim) is not None
-    assert describe(ChannelGroupCodec("q4_1"), 64) is None
+    assert supports(layer.key_codec.layout()) and supports(layer.value_codec.layout())
+    kivi = ChannelGroupCodec("q4_1")
+    kivi.append(torch.randn(1, 1, 40, 64))
+    assert not supports(kivi.layout())
 
 
 def test_forced_reference_never_calls_the_kernel(monkeypatch):
@@ -203,10 +199,11 @@ def test_forced_reference_never_calls_the_kernel(monkeypatch):
     def fail():
         raise AssertionError("kernel used")
 
-    monkeypatch.setattr("hf_deltakv.kernels.cpu.extension", fail)
+    monkeypatch.setattr("hf_deltakv.ops.cpu.extension", fail)
     keys, values = _stream(CODECS["q4_0"], 20, 1, 1, 64, 0), _stream(CODECS["q4_0"], 20, 1, 1, 64, 1)
     sinks = torch.zeros(1, 1, 0, 64)
-    kernels.stream_attention(torch.randn(1, 1, 2, 64), sinks, sinks, keys, values, None, None, None, 1, 19, 0.125)
+    query = torch.randn(1, 1, 2, 64)
+    ops.stream_attention(query, sinks, sinks, keys.layout(), values.layout(), None, None, None, 1, 19, 0.125)
 
 
 @pytest.mark.parametrize("name", ["delta", "delta-rot", "kivi", "q4_1"])
@@ -219,15 +216,17 @@ def test_decode_range_equals_slices_of_decode(name):
         codec.decode_range(60, 71)
 
 
-def test_chunked_attention_equals_sdpa():
+def test_online_softmax_over_chunks_equals_sdpa():
     g = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(2, 6, 5, 16, generator=g),
         torch.randn(2, 2, 40, 16, generator=g),
         torch.randn(2, 2, 40, 16, generator=g),
     )
-    chunks = [(k[:, :, i : i + 7], v[:, :, i : i + 7]) for i in range(0, 40, 7)]
-    got = chunked_attention(q, chunks, 0.25, None, 40)
+    state = OnlineSoftmax(q, 0.25, None, 40)
+    for i in range(0, 40, 7):
+        state.add(k[:, :, i : i + 7], v[:, :, i : i + 7])
+    got = state.result()
     kk, vv = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
     mask = torch.ones(5, 40, dtype=torch.bool).tril(diagonal=35)
     expected = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=0.25)

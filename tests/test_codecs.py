@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_deltakv.codecs import ChannelGroupCodec, DeltaCodec, PlainCodec, RotatedCodec, rotate
-from hf_deltakv.quant import QuantizedTensor
+from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
+from hf_deltakv.formats import QuantizedTensor
+from hf_deltakv.ops.hadamard import rotate
+from hf_deltakv.ops.layout import SNAPSHOTS
+
+from .conftest import delta_codec
 
 
 def smooth_stream(tokens: int = 96, seed: int = 0) -> torch.Tensor:
@@ -21,10 +25,10 @@ CODECS = {
     "plain": lambda: PlainCodec("q4_0"),
     "rotated": lambda: RotatedCodec(PlainCodec("q4_0")),
     "channel": lambda: ChannelGroupCodec("q4_1"),
-    "delta": lambda: DeltaCodec(kf=8),
-    "delta-no-intra": lambda: DeltaCodec(kf=8, intra=False),
-    "delta-keyframe-ref": lambda: DeltaCodec(kf=8, reference="keyframe"),
-    "delta-rotated": lambda: RotatedCodec(DeltaCodec(kf=8)),
+    "delta": lambda: delta_codec(kf=8),
+    "delta-no-intra": lambda: delta_codec(kf=8, intra=False),
+    "delta-keyframe-ref": lambda: delta_codec(kf=8, reference="keyframe"),
+    "delta-rotated": lambda: RotatedCodec(delta_codec(kf=8)),
 }
 
 
@@ -40,21 +44,19 @@ def test_chunked_appends_equal_one_shot(name):
 
 
 def test_snapshot_count_of_one_position_equals_the_tensor_version():
-    from hf_deltakv.codecs.delta import snapshot_count, snapshots_at_or_before
-
     positions = [*range(0, 1100), 3071, 3072, 5119, 5120, 100_000]
-    expected = snapshots_at_or_before(torch.tensor(positions)).tolist()
-    assert [snapshot_count(t) for t in positions] == expected
-    assert expected[:17] == [0] * 16 + [1] and snapshot_count(1024) == 4 and snapshot_count(3072) == 5
+    expected = SNAPSHOTS.counts(torch.tensor(positions)).tolist()
+    assert [SNAPSHOTS.count(t) for t in positions] == expected
+    assert expected[:17] == [0] * 16 + [1] and SNAPSHOTS.count(1024) == 4 and SNAPSHOTS.count(3072) == 5
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: DeltaCodec(kf=5),
-        lambda: DeltaCodec(kf=8, delta_format="q4_0_16", reference="keyframe"),
-        lambda: DeltaCodec(kf=32, intra=False, keyframe_format="f16"),
-        lambda: DeltaCodec(kf=6, mean_reference=False, delta_format="q4_1"),
+        lambda: delta_codec(kf=5),
+        lambda: delta_codec(kf=8, delta_format="q4_0_16", reference="keyframe"),
+        lambda: delta_codec(kf=32, intra=False, keyframe_format="f16"),
+        lambda: delta_codec(kf=6, mean_reference=False, delta_format="q4_1"),
     ],
 )
 def test_token_by_token_stores_the_same_bytes(make):
@@ -94,7 +96,7 @@ def test_storage_is_packed(name):
 
 def test_closed_loop_error_does_not_grow_within_a_group():
     x = smooth_stream(256)
-    codec = DeltaCodec(kf=256, intra=False)
+    codec = delta_codec(kf=256, intra=False)
     codec.append(x)
     err = (codec.decode() - x).pow(2).mean(dim=(0, 1, 3)).sqrt()
     early, late = err[1:32].mean(), err[-32:].mean()
@@ -103,7 +105,7 @@ def test_closed_loop_error_does_not_grow_within_a_group():
 
 def test_closed_loop_beats_open_loop_reference():
     x = smooth_stream(128)
-    closed, open_loop = DeltaCodec(kf=64, intra=False), DeltaCodec(kf=64, intra=False, reference="keyframe")
+    closed, open_loop = delta_codec(kf=64, intra=False), delta_codec(kf=64, intra=False, reference="keyframe")
     closed.append(x)
     open_loop.append(x)
     assert (closed.decode() - x).pow(2).mean() < (open_loop.decode() - x).pow(2).mean()
@@ -111,7 +113,7 @@ def test_closed_loop_beats_open_loop_reference():
 
 def test_delta_helps_keys_with_outlier_channels():
     x = smooth_stream(128)
-    plain, delta = PlainCodec("q4_0"), DeltaCodec(kf=32)
+    plain, delta = PlainCodec("q4_0"), delta_codec(kf=32)
     plain.append(x)
     delta.append(x)
     assert (delta.decode() - x).pow(2).mean() < 0.5 * (plain.decode() - x).pow(2).mean()
@@ -120,7 +122,7 @@ def test_delta_helps_keys_with_outlier_channels():
 def test_intra_never_worse_than_inter_per_token():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 2, 64, 64, generator=g) * 3  # white noise: deltas are larger than values
-    inter, both = DeltaCodec(kf=64, intra=False), DeltaCodec(kf=64)
+    inter, both = delta_codec(kf=64, intra=False), delta_codec(kf=64)
     inter.append(x)
     both.append(x)
     assert (both.decode() - x).pow(2).mean() < (inter.decode() - x).pow(2).mean()
@@ -128,7 +130,7 @@ def test_intra_never_worse_than_inter_per_token():
 
 def test_kf_one_is_all_keyframes():
     x = smooth_stream(10)
-    codec = DeltaCodec(kf=1, keyframe_format="q8_0")
+    codec = delta_codec(kf=1, keyframe_format="q8_0")
     codec.append(x)
     assert codec.deltas is None and codec.keyframes.codes.shape[2] == 10
 
@@ -142,18 +144,18 @@ def test_rotation_is_orthogonal():
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, None])
 def test_bad_kf(bad):
     with pytest.raises(ValueError, match="kf"):
-        DeltaCodec(kf=bad)
+        delta_codec(kf=bad)
 
 
 def test_bad_reference_and_format():
     with pytest.raises(ValueError, match="previous"):
-        DeltaCodec(reference="next")
+        delta_codec(reference="next")
     with pytest.raises(ValueError, match="allowed"):
-        DeltaCodec(delta_format="q2")
+        delta_codec(delta_format="q2")
 
 
 def test_segmented_prefix_sum_reference():
-    from hf_deltakv.kernels import segmented_prefix_sum
+    from hf_deltakv.ops.reference import segmented_prefix_sum
 
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
     resets = torch.tensor([[False, False, True, False, True]])

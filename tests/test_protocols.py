@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_deltakv.eval.perplexity import _window_logprobs, cache_bits, kv_elements, perplexity, tensor_bytes
+from hf_deltakv.eval.perplexity import _window_logprobs, cache_bits, kv_elements, perplexity
+from hf_deltakv.formats import nbytes_of
 from hf_deltakv.registry import CACHES, build_cache
 
 from .conftest import tiny_model
@@ -71,4 +72,4 @@ def test_bytes_of_transformers_quantized_cache_are_counted_from_its_tensors():
     bits, nbytes = cache_bits(cache, elements)
     # 4-bit codes plus a scale and a zero point per group of 64, both fp32 in this fp32 model: 5 bits.
     assert bits == pytest.approx(5.0)
-    assert nbytes == sum(tensor_bytes(vars(layer)) for layer in cache.layers)
+    assert nbytes == sum(nbytes_of(vars(layer)) for layer in cache.layers)

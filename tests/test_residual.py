@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_deltakv import ResidualKVCache
-from hf_deltakv.quant.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
-from hf_deltakv.residual import load_compressor, save_compressor
+from hf_deltakv.formats.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
+from hf_deltakv.residual import ResidualLayout, load_compressor, save_compressor
 from hf_deltakv.residual.references import nearest_references
 from hf_deltakv.residual.train import TrainConfig, train_residual
-from hf_deltakv.residual.window import Layout, code_window
+from hf_deltakv.residual.window import code_window
 
 from .conftest import tiny_compressor, tiny_model
 
@@ -85,10 +85,10 @@ def test_raw_tokens_are_reconstructed_exactly():
     cache = ResidualKVCache(model=model, compressor=compressor, reference_format="f16")
     keys, values = torch.randn(2, 1, 15, 32, dtype=torch.bfloat16), torch.randn(2, 1, 15, 32, dtype=torch.bfloat16)
     out_k, out_v = cache.update(keys, values, 0)
-    sinks, window = cache.sink_tokens, cache.window
+    sinks, window = cache.sink_tokens, cache.layout.window
     raw = list(range(sinks)) + list(range(15 - window, 15))
     assert torch.equal(out_k[:, :, raw], keys[:, :, raw]) and torch.equal(out_v[:, :, raw], values[:, :, raw])
-    refs = [sinks + i for i in range(0, 15 - sinks - window, cache.stride)]
+    refs = [sinks + i for i in range(0, 15 - sinks - window, cache.layout.stride)]
     torch.testing.assert_close(out_v[:, :, refs], values[:, :, refs])  # f16 references: raw up to bf16->fp16
     torch.testing.assert_close(out_k[:, :, refs], keys[:, :, refs], atol=3e-2, rtol=2e-2)  # through RoPE and back
 
@@ -101,10 +101,10 @@ def test_storage_is_packed_and_counted():
     layer = cache.layers[0]
     assert layer.codes.dtype == torch.uint8 and layer.scales.dtype == torch.float16
     assert layer.reference_ids.dtype == torch.int16
-    coded = 64 - cache.sink_tokens - cache.window - layer.references.codes.shape[1]
+    coded = 64 - cache.sink_tokens - cache.layout.window - layer.references.codes.shape[1]
     assert layer.codes.shape[1] == coded
-    expected = coded * (compressor.code_bits(0) // 8 + 2 * cache.top_k)
-    expected += layer.references.nbytes() + 2 * 2 * (cache.sink_tokens + cache.window) * 32
+    expected = coded * (compressor.code_bits(0) // 8 + 2 * cache.layout.top_k)
+    expected += layer.references.nbytes() + 2 * 2 * (cache.sink_tokens + cache.layout.window) * 32
     assert layer.nbytes() == expected
     assert cache.bits_per_element() == pytest.approx(8 * cache.nbytes() / (2 * 64 * 32))
 
@@ -116,7 +116,7 @@ def test_code_window_matches_the_layer():
     # fp16-representable inputs: the layer keeps raw tokens in fp16 before coding them as they leave the window
     keys, values = torch.randn(1, 1, 30, 32).half().float(), torch.randn(1, 1, 30, 32).half().float()
     got_k, got_v = cache.update(keys, values, 0)  # no position_ids: positions 0..29, RoPE undone then redone
-    layout = Layout(cache.stride, cache.top_k, cache.sink_tokens, cache.window, cache.reference_format)
+    layout = cache.layout
     rope = cache.layers[0].rope
     cos, sin = rope.cos_sin(torch.arange(30).unsqueeze(0), 32)
     with torch.no_grad():
@@ -192,7 +192,7 @@ def test_wrong_shapes_and_dtypes_are_refused():
 def test_training_runs_resumes_and_generates(tmp_path):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (600,), generator=torch.Generator().manual_seed(0))
-    layout = Layout(stride=3, top_k=2, sink_tokens=2, window=3, reference_format="q8_0")
+    layout = ResidualLayout(stride=3, top_k=2, sink_tokens=2, window=3, reference_format="q8_0")
     config = TrainConfig(steps=2, ctx=32, warmup=1, calibration_windows=2, save_every=1, rate=3.0)
     train_residual(model, ids, tmp_path, config, layout, progress=False)
     log = [json.loads(line) for line in (tmp_path / "loss_log.jsonl").read_text().splitlines()]

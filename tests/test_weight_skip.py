@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from hf_deltakv.kernels.reference import skip_matvec
+from hf_deltakv.ops.reference import skip_matvec
 from hf_deltakv.weight_skip import block_max, enable_weight_skip, keep_mask
 
 from .conftest import tiny_model

@@ -1,13 +1,5 @@
-"""Attention straight from compressed caches: the `"hf_deltakv"` attention implementation and its chunked reference."""
+"""Attention straight from compressed caches: the `"hf_deltakv"` attention implementation."""
 
-from .chunked import OnlineSoftmax, chunked_attention
 from .interface import compressed_attention, compressed_attention_forward, reads_compressed, register
 
-__all__ = [
-    "OnlineSoftmax",
-    "chunked_attention",
-    "compressed_attention",
-    "compressed_attention_forward",
-    "reads_compressed",
-    "register",
-]
+__all__ = ["compressed_attention", "compressed_attention_forward", "reads_compressed", "register"]

@@ -1,7 +1,9 @@
-"""What every stream codec provides: append tokens, decode all of them, count its bytes.
+"""What every stream codec provides: append tokens, describe its packed storage, count its bytes.
 
-A stream is one of a layer's two tensors (keys or values), `[batch, kv_heads, seq, head_dim]`. Codecs keep packed
-storage only; the layer decides what to feed them (rotated, pre-RoPE, after the sink tokens).
+A stream is one of a layer's two tensors (keys or values), `[batch, kv_heads, seq, head_dim]`. Codecs own encoding
+and their state (packed storage only); decoding is the op `ops.decode_stream` over the codec's `layout()`, so the
+PyTorch reference, the C++ and the Triton kernels all read one description of the storage. The layer decides what
+to feed a codec (pre-RoPE, after the sink tokens).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..quant import QuantizedTensor
+from .. import ops
+from ..formats import QuantizedTensor, nbytes_of
 
 State = torch.Tensor | QuantizedTensor | None
 
@@ -26,31 +29,25 @@ class StreamCodec(ABC):
     def append(self, x: torch.Tensor) -> None:
         """Encode new tokens `x` `[batch, heads, new, dim]` (fp32) after those already stored."""
 
-    def decode(self) -> torch.Tensor:
-        """Reconstruct every stored token, `[batch, heads, length, dim]` in fp32."""
-        return self.decode_range(0, self.length)
-
     @abstractmethod
-    def decode_range(self, start: int, end: int) -> torch.Tensor:
-        """Reconstruct tokens `start <= t < end` only, `[batch, heads, end - start, dim]` in fp32.
-
-        What attention reads chunk by chunk, so that no full-precision copy of the whole history is ever built.
-        """
+    def layout(self) -> ops.StreamLayout:
+        """The packed storage as the ops read it (only once something is stored)."""
 
     @abstractmethod
     def state_names(self) -> tuple[str, ...]:
         """Attributes holding the state (tensors or `QuantizedTensor`s with the batch first)."""
 
+    def decode_range(self, start: int, end: int) -> torch.Tensor:
+        """Reconstruct tokens `start <= t < end` only, `[batch, heads, end - start, dim]` in fp32."""
+        return ops.decode_stream(self.layout(), start, end)
+
+    def decode(self) -> torch.Tensor:
+        """Reconstruct every stored token, `[batch, heads, length, dim]` in fp32."""
+        return self.decode_range(0, self.length)
+
     def nbytes(self) -> int:
         """Bytes of all state held."""
-        total = 0
-        for name in self.state_names():
-            value = getattr(self, name)
-            if isinstance(value, QuantizedTensor):
-                total += value.nbytes()
-            elif isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-        return total
+        return nbytes_of([getattr(self, name) for name in self.state_names()])
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply `fn` to every state tensor along its batch dimension (beam reorder, batch selection)."""
@@ -60,18 +57,6 @@ class StreamCodec(ABC):
                 setattr(self, name, value.map(fn))
             elif isinstance(value, torch.Tensor):
                 setattr(self, name, fn(value))
-
-
-def check_range(start: int, end: int, length: int) -> None:
-    if not 0 <= start <= end <= length:
-        raise ValueError(f"token range [{start}, {end}) is outside the {length} stored tokens")
-
-
-def slice_seq(state: State, start: int, end: int) -> State:
-    """Tokens `start:end` along the sequence dimension (2) of a tensor or `QuantizedTensor`."""
-    if isinstance(state, QuantizedTensor):
-        return state.map(lambda t: t[:, :, start:end])
-    return state[:, :, start:end]
 
 
 def append_along_seq(stored: State, new: State) -> State:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import dequantize, get_format, quantize
-from .base import StreamCodec, append_along_seq, check_range, slice_seq
+from .. import ops
+from ..formats import get_format, quantize
+from .base import StreamCodec, append_along_seq
 
 
 class ChannelGroupCodec(StreamCodec):
@@ -22,7 +23,7 @@ class ChannelGroupCodec(StreamCodec):
         fmt: block format applied along the token axis (`q4_1` is KIVI's asymmetric 4-bit).
     """
 
-    def __init__(self, fmt: str = "q4_1") -> None:
+    def __init__(self, fmt: str) -> None:
         super().__init__()
         self.fmt = get_format(fmt)
         if self.fmt.name == "f16":
@@ -45,14 +46,5 @@ class ChannelGroupCodec(StreamCodec):
         self.tail = pending[:, :, full:].contiguous()
         self.length += x.shape[2]
 
-    def decode_range(self, start: int, end: int) -> torch.Tensor:
-        check_range(start, end, self.length)
-        coded = self.length - self.tail.shape[2]
-        first, last = start // self.group, min(-(-end // self.group), coded // self.group)
-        parts = []
-        if last > first:
-            blocks = dequantize(slice_seq(self.groups, first, last))  # [B, H, G, D, group]
-            batch, heads, groups, dim, group = blocks.shape
-            parts.append(blocks.transpose(3, 4).reshape(batch, heads, groups * group, dim))
-        parts.append(self.tail.float())
-        return torch.cat(parts, dim=2)[:, :, start - first * self.group : end - first * self.group]
+    def layout(self) -> ops.ChannelStream:
+        return ops.ChannelStream(self.groups, self.tail, self.group, self.tail.shape[-1], self.length)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..quant import dequantize, get_format, quantize
-from .base import StreamCodec, append_along_seq, check_range, slice_seq
+from .. import ops
+from ..formats import get_format, quantize
+from .base import StreamCodec, append_along_seq
 
 
 class PlainCodec(StreamCodec):
@@ -16,7 +16,7 @@ class PlainCodec(StreamCodec):
         fmt: block format name (`q4_0`, `q4_1`, `q8_0`, `f16`).
     """
 
-    def __init__(self, fmt: str = "q4_0") -> None:
+    def __init__(self, fmt: str) -> None:
         super().__init__()
         self.fmt = get_format(fmt).name
         self.stored = None
@@ -26,10 +26,9 @@ class PlainCodec(StreamCodec):
 
     def append(self, x: torch.Tensor) -> None:
         # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
-        coded = kernels.quantize(x, self.fmt) if x.shape[2] == 1 else quantize(x, self.fmt)
+        coded = ops.quantize(x, self.fmt) if x.shape[2] == 1 else quantize(x, self.fmt)
         self.stored = append_along_seq(self.stored, coded)
         self.length += x.shape[2]
 
-    def decode_range(self, start: int, end: int) -> torch.Tensor:
-        check_range(start, end, self.length)
-        return dequantize(slice_seq(self.stored, start, end))
+    def layout(self) -> ops.PlainStream:
+        return ops.PlainStream(self.stored, self.stored.dim, self.length)

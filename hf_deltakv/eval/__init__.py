@@ -1,1 +1,1 @@
-"""Evaluation: perplexity through a cache, text sources."""
+"""Measurement: perplexity and KL divergence through a cache, text sources, per-layer K/V statistics."""

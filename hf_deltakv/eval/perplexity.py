@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..formats import nbytes_of
+
 
 @dataclass
 class PerplexityResult:
@@ -50,21 +52,6 @@ def token_windows(ids: torch.Tensor, ctx: int, windows: int) -> list[torch.Tenso
     return [ids[i * ctx : (i + 1) * ctx] for i in range(windows)]
 
 
-def tensor_bytes(obj) -> int:
-    """Bytes of every tensor in `obj` (nested tuples, lists and dicts; tensor subclasses such as optimum-quanto's
-    packed tensors are opened to their inner tensors, so packed codes count at their real size)."""
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(obj, name)) for name in names)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(item) for item in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(item) for item in obj.values())
-    return 0
-
-
 def kv_elements(config, tokens: int, batch: int = 1) -> int:
     """Scalars a full-precision cache of `tokens` tokens would hold (keys and values, every layer)."""
     config = config.get_text_config(decoder=True)
@@ -83,13 +70,14 @@ def cache_bits(cache: Cache, elements: int | None = None) -> tuple[float, int]:
     """
     if hasattr(cache, "bits_per_element"):
         return cache.bits_per_element(), cache.nbytes()
-    nbytes = sum(tensor_bytes(vars(layer)) for layer in cache.layers)
+    nbytes = nbytes_of([vars(layer) for layer in cache.layers])
     if elements is None:
         elements = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
     return (8 * nbytes / elements if elements else 0.0), nbytes
 
 
 PROTOCOLS = ("one-forward", "chunked")
+CHUNK = 16  # tokens per teacher-forced step of the chunked protocol
 
 
 def _window_logprobs(
@@ -125,9 +113,9 @@ def perplexity(
     progress: Callable[[int], None] | None = None,
     reference: list[torch.Tensor] | None = None,
     keep_logprobs: bool = False,
-    protocol: str = "one-forward",
+    protocol: str = PROTOCOLS[0],
     prefix: int | None = None,
-    chunk: int = 16,
+    chunk: int = CHUNK,
 ) -> PerplexityResult:
     """Perplexity over `windows` (1-D token tensors), each read through a fresh cache.
 

@@ -6,6 +6,7 @@ import sysconfig
 from pathlib import Path
 
 BUILTIN_TEXTS = ("python-docs", "stdlib-code", "stdlib-code-train", "wikitext2")
+DEFAULT_TEXT = "python-docs"  # what the comparison measures when no text is named (prose on every Python install)
 
 # A fixed list keeps the stdlib-code text identical across machines of the same Python version.
 STDLIB_MODULES = (

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention.chunked import OnlineSoftmax
 from ..attention.interface import marker, reads_compressed
+from ..formats import nbytes_of
+from ..ops.online_softmax import OnlineSoftmax
 from ..rope import RopeInverter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -183,11 +184,7 @@ class StreamLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Bytes of all state this layer holds: sink tokens plus the subclass's storage."""
-        total = self._stream_nbytes()
-        for t in (self.sink_keys, self.sink_values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        return self._stream_nbytes() + nbytes_of([self.sink_keys, self.sink_values])
 
     def num_elements(self) -> int:
         """Number of cached key and value scalars."""

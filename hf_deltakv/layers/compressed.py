@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .. import kernels
-from ..attention.chunked import codec_chunks
+from .. import ops
 from ..codecs.base import StreamCodec
-from ..rope import RopeInverter
+from ..ops.online_softmax import CHUNK_TOKENS
+from ..rope import RopeInverter, apply_rope
 from .base import PositionLog, StreamLayer
 
 
@@ -56,7 +56,7 @@ class CompressedLayer(StreamLayer):
         return keys, self.value_codec.decode()
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Through `kernels.stream_attention`: the fused kernel where one applies, else the chunked reference."""
+        """Through `ops.stream_attention`: the fused kernel where one applies, else the chunked reference."""
         stored = self.key_codec.length
         if not stored or (mask is not None and mask.shape[1] != 1):  # per-head masks: the generic chunked path
             return super().attend(query, mask, scale)
@@ -68,12 +68,12 @@ class CompressedLayer(StreamLayer):
         else:
             sink_keys = query.new_empty(batch, self.kv_heads, 0, dim)
             sink_values = query.new_empty(batch, self.kv_heads, 0, self.value_dim)
-        out = kernels.stream_attention(
+        out = ops.stream_attention(
             query.reshape(batch, self.kv_heads, group * n, dim),
             sink_keys,
             sink_values,
-            self.key_codec,
-            self.value_codec,
+            self.key_codec.layout(),
+            self.value_codec.layout(),
             cos,
             sin,
             mask[:, 0] if mask is not None else None,
@@ -84,8 +84,14 @@ class CompressedLayer(StreamLayer):
         return out.reshape(batch, q_heads, n, self.value_dim)
 
     def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _, keys, values in codec_chunks(self.key_codec, self.value_codec, *self._stream_rope()):
-            yield keys, values
+        """Keys (RoPE re-applied) and values of the stored stream, `CHUNK_TOKENS` at a time."""
+        cos, sin = self._stream_rope()
+        for start in range(0, self.key_codec.length, CHUNK_TOKENS):
+            end = min(start + CHUNK_TOKENS, self.key_codec.length)
+            keys = self.key_codec.decode_range(start, end)
+            if cos is not None:
+                keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
+            yield keys, self.value_codec.decode_range(start, end)
 
     def _stream_rope(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """cos, sin `[batch, stored tokens, head_dim]` of the tokens after the sinks (None without pre-RoPE keys)."""

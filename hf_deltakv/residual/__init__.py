@@ -1,6 +1,15 @@
-"""The learned residual cache's parts: compressor modules, codes, references, fitting, training, checkpoints."""
+"""The learned residual cache as one feature: compressor modules, codes, references, the cache layer and the cache,
+fitting, training and checkpoints."""
 
+from .cache import ResidualKVCache
 from .checkpoint import load_compressor, save_compressor
-from .compressor import ResidualCompressor, ResidualConfig
+from .compressor import ResidualCompressor, ResidualConfig, ResidualLayout
 
-__all__ = ["ResidualCompressor", "ResidualConfig", "load_compressor", "save_compressor"]
+__all__ = [
+    "ResidualCompressor",
+    "ResidualConfig",
+    "ResidualKVCache",
+    "ResidualLayout",
+    "load_compressor",
+    "save_compressor",
+]

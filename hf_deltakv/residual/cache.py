@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from torch import nn
 
 from ..cache import StreamCache
-from ..layers.residual import ResidualLayer
-from ..models import DEFAULT_MODEL
-from .checkpoint import check_compatible, load_compressor
-from .compressor import ResidualCompressor, check_layout
+from .checkpoint import DEFAULT_COMPRESSOR, check_compatible, load_compressor
+from .compressor import ResidualCompressor
+from .layer import ResidualLayer
 
 
 class ResidualKVCache(StreamCache):
@@ -28,7 +28,8 @@ class ResidualKVCache(StreamCache):
         model: the model (required: keys are coded before RoPE, and the compressor is checked against it).
         compressor: a `ResidualCompressor`, or a checkpoint directory or built-in name; default: the built-in
             compressor of the embedded default model (`"smollm2-135m"`).
-        stride, top_k, window, sink_tokens, reference_format: override the layout the compressor was trained with.
+        stride, top_k, window, sink_tokens, reference_format: override the layout the compressor was trained with
+            (`ResidualLayout`).
         uncompressed_layers: layers kept entirely raw (fp16; counted in the bytes), as DeltaKV keeps a few early
             layers; default: the compressor's.
 
@@ -50,26 +51,25 @@ class ResidualKVCache(StreamCache):
         if model is None or not isinstance(model, nn.Module):
             raise ValueError("ResidualKVCache needs the model (model=...): its compressor is trained for one model")
         if compressor is None:
-            compressor = DEFAULT_MODEL
+            compressor = DEFAULT_COMPRESSOR
         if not isinstance(compressor, ResidualCompressor):
             compressor = load_compressor(compressor)
         check_compatible(compressor.config, model)
         config = compressor.config
         self.compressor = compressor
-        self.stride = config.stride if stride is None else stride
-        self.top_k = config.top_k if top_k is None else top_k
-        self.window = config.window if window is None else window
-        self.reference_format = config.reference_format if reference_format is None else reference_format
-        sinks = config.sink_tokens if sink_tokens is None else sink_tokens
-        check_layout(self.stride, self.top_k, sinks, self.window)
+        overrides = {
+            "stride": stride,
+            "top_k": top_k,
+            "window": window,
+            "sink_tokens": sink_tokens,
+            "reference_format": reference_format,
+        }
+        self.layout = dataclasses.replace(config.layout, **{k: v for k, v in overrides.items() if v is not None})
         raw = config.uncompressed_layers if uncompressed_layers is None else uncompressed_layers
         if any(not isinstance(i, int) or not 0 <= i < config.num_layers for i in raw):
             raise ValueError(f"uncompressed_layers must be layer indices in [0, {config.num_layers}), got {raw!r}")
         self.uncompressed_layers = frozenset(raw)
-        from ..quant import get_format
-
-        get_format(self.reference_format)
-        super().__init__(sinks, model, pre_rope=None)
+        super().__init__(self.layout.sink_tokens, model, pre_rope=None)
 
     @classmethod
     def from_pretrained(cls, path_or_name: str | Path, model: nn.Module, **overrides) -> ResidualKVCache:
@@ -79,14 +79,11 @@ class ResidualKVCache(StreamCache):
     def _make_layer(self, layer_idx: int) -> ResidualLayer:
         if layer_idx >= len(self.compressor.layers):
             raise ValueError(f"the compressor has {len(self.compressor.layers)} layers; layer {layer_idx} was asked")
+        raw = layer_idx in self.uncompressed_layers
         return ResidualLayer(
             self.compressor.layers[layer_idx],
             self.compressor.config.bits[layer_idx],
-            self.stride,
-            self.top_k,
-            sys.maxsize if layer_idx in self.uncompressed_layers else self.window,
-            self.reference_format,
-            self.sink_tokens,
+            dataclasses.replace(self.layout, window=sys.maxsize) if raw else self.layout,
             self._rope(layer_idx),
             self.positions,
         )

@@ -19,6 +19,7 @@ WEIGHTS_NAME = "compressor.safetensors"
 CONFIG_NAME = "config.json"
 FORMAT_VERSION = 1
 BUILTIN_CHECKPOINTS = {"smollm2-135m": Path(__file__).parent / "checkpoints" / "smollm2-135m"}
+DEFAULT_COMPRESSOR = "smollm2-135m"  # the built-in compressor of the embedded default model
 PROBE_SIZE = 32
 
 
@@ -104,7 +105,7 @@ def load_compressor(path_or_name: str | Path) -> ResidualCompressor:
     version = payload.pop("format_version", None)
     if version != FORMAT_VERSION:
         raise ValueError(f"{directory} has checkpoint format {version!r}; this hf_deltakv reads {FORMAT_VERSION}")
-    compressor = ResidualCompressor(ResidualConfig(**payload))
+    compressor = ResidualCompressor(ResidualConfig.from_dict(payload))
     state = {k: v.float() for k, v in load_file(str(directory / WEIGHTS_NAME)).items()}
     compressor.load_state_dict(state, strict=True)
     return compressor.eval().requires_grad_(False)

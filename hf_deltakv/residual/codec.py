@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import dequantize_latent
-from ..quant.bitpack import GROUP, fake_quantize_group, pack_bits, quantize_group
+from ..formats.bitpack import GROUP, fake_quantize_group, pack_bits, quantize_group
+from ..ops import dequantize_latent
 from .compressor import LayerCompressor
 
 

@@ -8,12 +8,43 @@ maps the quantized latent back. The encoder is linear, so E(x) - E(base) = E(x -
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import nn
 
-from ..quant.bitpack import GROUP, check_bits
+from ..formats import get_format
+from ..formats.bitpack import GROUP, check_bits
+
+
+@dataclass(frozen=True)
+class ResidualLayout:
+    """Where a residual cache keeps each token; the one place these options have defaults (the built-in
+    compressor's: no references, 8 sinks, a 16-token raw window).
+
+    Args:
+        stride: every `stride`-th token after the sinks is a reference kept in `reference_format`; 0 = none.
+        top_k: references averaged into a token's base.
+        sink_tokens: first tokens kept raw.
+        window: most recent tokens kept raw (coded as they slide out).
+        reference_format: block format of references (`f16` raw, `q8_0`).
+    """
+
+    stride: int = 0
+    top_k: int = 1
+    sink_tokens: int = 8
+    window: int = 16
+    reference_format: str = "q8_0"
+
+    def __post_init__(self) -> None:
+        for name, low in (("stride", 0), ("top_k", 1), ("sink_tokens", 0), ("window", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        get_format(self.reference_format)
+
+
+LAYOUT_FIELDS = tuple(f.name for f in fields(ResidualLayout))
 
 
 @dataclass
@@ -24,11 +55,7 @@ class ResidualConfig:
         num_layers, kv_heads, head_dim: the model's KV shape (head_dim of keys and values).
         latent_dim: latent components per stream (keys, values), a multiple of 32 and >= kv_heads * head_dim.
         bits: per layer, the bit depth of each latent group, key groups first then value groups (0 = dropped).
-        stride: every `stride`-th token (after the sinks) is a reference; 0 = no references.
-        top_k: references averaged into a token's base.
-        sink_tokens: first tokens kept raw.
-        window: most recent tokens kept raw (compressed as they slide out).
-        reference_format: block format of references (`f16` raw, `q8_0`).
+        layout: where the cache keeps each token (`ResidualLayout`).
         uncompressed_layers: layers the cache keeps raw.
         model: what the compressor was trained for: `model_type`, `name`, and a weight `probe` checked at load.
         training: how it was made (text, steps, losses), for the record.
@@ -39,11 +66,7 @@ class ResidualConfig:
     head_dim: int
     latent_dim: int
     bits: list[list[int]]
-    stride: int = 16
-    top_k: int = 1
-    sink_tokens: int = 8
-    window: int = 32
-    reference_format: str = "q8_0"
+    layout: ResidualLayout = field(default_factory=ResidualLayout)
     uncompressed_layers: list[int] = field(default_factory=list)
     model: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
@@ -60,23 +83,21 @@ class ResidualConfig:
             for b in layer_bits:
                 if b:
                     check_bits(b)
-        check_layout(self.stride, self.top_k, self.sink_tokens, self.window)
 
     @property
     def stream_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready, the layout's fields at the top level (the checkpoint format)."""
+        flat = asdict(self)
+        return {**{k: v for k, v in flat.items() if k != "layout"}, **flat["layout"]}
 
-
-def check_layout(stride: int, top_k: int, sink_tokens: int, window: int) -> None:
-    """Refuse layouts the cache cannot hold, naming the allowed values."""
-    for name, value, low in (("stride", stride, 0), ("top_k", top_k, 1), ("sink_tokens", sink_tokens, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ValueError(f"window must be an integer >= 0, got {window!r}")
+    @classmethod
+    def from_dict(cls, payload: dict) -> ResidualConfig:
+        payload = dict(payload)
+        layout = ResidualLayout(**{name: payload.pop(name) for name in LAYOUT_FIELDS if name in payload})
+        return cls(**payload, layout=layout)
 
 
 class LayerCompressor(nn.Module):

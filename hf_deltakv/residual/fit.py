@@ -14,24 +14,24 @@ import torch
 from torch import nn
 
 from ..eval.kv_statistics import kv_streams
-from ..layers.residual import heads_to_tokens
-from ..quant.bitpack import BIT_DEPTHS, GROUP, fake_quantize_group
+from ..eval.perplexity import perplexity
+from ..formats.bitpack import BIT_DEPTHS, GROUP, fake_quantize_group
 from .checkpoint import model_signature
-from .compressor import ResidualCompressor, ResidualConfig
-from .references import is_reference, load_references, store_references, token_bases
-from .window import Layout
+from .compressor import ResidualCompressor, ResidualConfig, ResidualLayout
+from .references import split_tokens
+from .tokens import heads_to_tokens
 
 LADDER = (0, *BIT_DEPTHS)
 
 
-def layer_residuals(keys: torch.Tensor, values: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_residuals(
+    keys: torch.Tensor, values: torch.Tensor, layout: ResidualLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(residuals `[n, 2 * dim]` of the tokens the cache would code, those tokens centered) of one window."""
     x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)[:, layout.sink_tokens :]
-    index = torch.arange(x.shape[1])
-    is_ref = is_reference(index, layout.stride)
-    refs = load_references(store_references(x[:, is_ref], layout.reference_format)) if is_ref.any() else None
-    target = x[:, ~is_ref]
-    residual = target - token_bases(target, index[~is_ref], refs, index[is_ref], layout.top_k)[1]
+    split = split_tokens(x, torch.arange(x.shape[1]), layout)
+    target = x[:, ~split.is_reference]
+    residual = target - split.bases
     return residual.reshape(-1, x.shape[-1]), (target - target.mean(1, keepdim=True)).reshape(-1, x.shape[-1])
 
 
@@ -81,8 +81,7 @@ def layer_sensitivity(
 ) -> list[float]:
     """KL divergence per unit of relative error of each layer: the KL measured when only that layer is coded,
     divided by that layer's predicted error (`distortion`)."""
-    from ..eval.perplexity import perplexity
-    from .cache import ResidualKVCache
+    from .cache import ResidualKVCache  # the cache is built from what this module fits
 
     flat = [w[0] for w in windows]
     reference = perplexity(model, flat, keep_logprobs=True).logprobs
@@ -105,7 +104,7 @@ def fit_compressor(
     model: nn.Module,
     windows: list[torch.Tensor],
     rate: float,
-    layout: Layout,
+    layout: ResidualLayout,
     key_weight: float = 1.0,
     sensitivity_windows: int = 2,
     training: dict | None = None,
@@ -168,18 +167,16 @@ def _table_error(table: torch.Tensor, bits: list[int]) -> float:
     return sum(table[g, LADDER.index(b)].item() for g, b in enumerate(bits))
 
 
-def _build(signature: dict, latent_dim: int, bits, layout: Layout, states, training: dict) -> ResidualCompressor:
+def _build(
+    signature: dict, latent_dim: int, bits, layout: ResidualLayout, states, training: dict
+) -> ResidualCompressor:
     config = ResidualConfig(
         num_layers=signature["num_layers"],
         kv_heads=signature["kv_heads"],
         head_dim=signature["head_dim"],
         latent_dim=latent_dim,
         bits=bits,
-        stride=layout.stride,
-        top_k=layout.top_k,
-        sink_tokens=layout.sink_tokens,
-        window=layout.window,
-        reference_format=layout.reference_format,
+        layout=layout,
         model=signature,
         training=training,
     )

@@ -9,9 +9,12 @@ references at or before its own position only (causal: decoding never sees a ref
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..quant import dequantize, quantize
+from ..formats import QuantizedTensor, dequantize, quantize
+from .compressor import ResidualLayout
 
 MAX_REFERENCES = 2**15 - 1  # reference ids are stored as int16
 
@@ -75,3 +78,28 @@ def token_bases(
         return None, torch.zeros_like(x)
     ids = nearest_references(x, token_index, refs, ref_index, top_k)
     return ids, reference_mean(refs, ids)
+
+
+@dataclass
+class SplitTokens:
+    """Tokens split into references and coded tokens (what the cache, training and fitting all start from)."""
+
+    is_reference: torch.Tensor  # bool [n]: which of the tokens are references
+    stored: QuantizedTensor | None  # the new references, packed (None: no reference among the tokens)
+    ids: torch.Tensor | None  # [batch, coded, top_k]: each coded token's references (None without references)
+    bases: torch.Tensor  # [batch, coded, 2 * dim]: what each coded token's residual is taken against
+
+
+def split_tokens(
+    x: torch.Tensor, index: torch.Tensor, layout: ResidualLayout, earlier: QuantizedTensor | None = None
+) -> SplitTokens:
+    """Split tokens `x` `[batch, n, 2 * dim]` at stream indices `index` (consecutive) into references, stored in
+    `layout.reference_format`, and coded tokens with their bases: the mean of their `top_k` nearest causal
+    references among the `earlier` stored ones and the new ones."""
+    is_ref = is_reference(index, layout.stride)
+    stored = store_references(x[:, is_ref].detach(), layout.reference_format) if is_ref.any() else None
+    packed = [q for q in (earlier, stored) if q is not None]
+    refs = load_references(QuantizedTensor.cat(packed, 1)) if packed else None
+    ref_index = torch.arange(0 if refs is None else refs.shape[1], device=x.device) * layout.stride
+    ids, bases = token_bases(x[:, ~is_ref].detach(), index[~is_ref], refs, ref_index, layout.top_k)
+    return SplitTokens(is_ref, stored, ids, bases)

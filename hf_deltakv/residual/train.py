@@ -30,9 +30,9 @@ from transformers.cache_utils import DynamicCache
 
 from ..rope import RopeInverter, find_rotary_embedding
 from .checkpoint import load_compressor, save_compressor
-from .compressor import ResidualCompressor
+from .compressor import ResidualCompressor, ResidualLayout
 from .fit import fit_compressor
-from .window import Layout, code_window
+from .window import code_window
 
 STATE_NAME = "training_state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -42,7 +42,7 @@ LOG_NAME = "loss_log.jsonl"
 class TrainingCache(DynamicCache):
     """A one-forward cache that hands attention the differentiable reconstruction of each layer's window."""
 
-    def __init__(self, compressor: ResidualCompressor, layout: Layout, rotary: nn.Module | None) -> None:
+    def __init__(self, compressor: ResidualCompressor, layout: ResidualLayout, rotary: nn.Module | None) -> None:
         super().__init__()
         self.compressor, self.layout = compressor, layout
         self.rope = RopeInverter(rotary) if rotary is not None else None
@@ -92,7 +92,7 @@ def _learning_rate(step: int, config: TrainConfig) -> float:
 
 @torch.no_grad()
 def validation_kl(
-    model: nn.Module, compressor: ResidualCompressor, layout: Layout, windows: list[torch.Tensor]
+    model: nn.Module, compressor: ResidualCompressor, layout: ResidualLayout, windows: list[torch.Tensor]
 ) -> float:
     """Mean KL divergence from the uncompressed model over `windows`, through the coded cache (no gradients)."""
     rotary = find_rotary_embedding(model)
@@ -139,7 +139,7 @@ def train_residual(
     train_ids: torch.Tensor,
     out_dir: str | Path,
     config: TrainConfig | None = None,
-    layout: Layout | None = None,
+    layout: ResidualLayout | None = None,
     text_name: str = "",
     progress: bool = True,
 ) -> ResidualCompressor:
@@ -151,7 +151,7 @@ def train_residual(
     config = config or TrainConfig()
     if config.loss not in ("kl", "ce"):
         raise ValueError(f"loss must be 'kl' or 'ce', got {config.loss!r}")
-    layout = layout or Layout(stride=0, top_k=1, sink_tokens=8, window=16, reference_format="q8_0")
+    layout = layout or ResidualLayout()
     held_out = config.ctx * config.validation_windows
     if train_ids.dim() != 1 or train_ids.numel() - held_out <= config.ctx * max(config.calibration_windows, 1):
         raise ValueError(f"training text too short: {train_ids.numel()} tokens for windows of {config.ctx}")

@@ -7,27 +7,16 @@ straight-through gradients to the encoder and decoder. Tests hold the two to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..layers.residual import heads_to_tokens, tokens_to_heads
 from .codec import fake_code_residuals
-from .compressor import LayerCompressor
-from .references import is_reference, load_references, store_references, token_bases
-
-
-@dataclass(frozen=True)
-class Layout:
-    stride: int
-    top_k: int
-    sink_tokens: int
-    window: int
-    reference_format: str
+from .compressor import LayerCompressor, ResidualLayout
+from .references import load_references, split_tokens
+from .tokens import heads_to_tokens, tokens_to_heads
 
 
 def code_window(
-    compressor: LayerCompressor, bits: list[int], layout: Layout, keys: torch.Tensor, values: torch.Tensor
+    compressor: LayerCompressor, bits: list[int], layout: ResidualLayout, keys: torch.Tensor, values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reconstruct pre-RoPE `keys` and `values` `[batch, heads, T, dim]` as the cache would store them.
 
@@ -39,25 +28,21 @@ def code_window(
     x = torch.cat([heads_to_tokens(keys.float()), heads_to_tokens(values.float())], dim=-1)
     begin = min(layout.sink_tokens, total)
     compressed = max(total - begin - layout.window, 0)
-    out = x.clone()
+    out = x
     error = x.new_zeros(())
     if compressed:
         stream = x[:, begin : begin + compressed]
-        index = torch.arange(compressed, device=x.device)
-        is_ref = is_reference(index, layout.stride)
+        split = split_tokens(stream, torch.arange(compressed, device=x.device), layout)
         coded = stream.clone()
-        refs = None
-        if is_ref.any():
-            refs = load_references(store_references(stream[:, is_ref].detach(), layout.reference_format))
-            coded[:, is_ref] = refs
-        others = ~is_ref
+        if split.stored is not None:
+            coded[:, split.is_reference] = load_references(split.stored)
+        others = ~split.is_reference
         if others.any():
             target = stream[:, others]
-            _, base = token_bases(target.detach(), index[others], refs, index[is_ref], layout.top_k)
             dim = compressor.stream_dim
-            residual = target - base
+            residual = target - split.bases
             rk, rv = fake_code_residuals(compressor, bits, residual[..., :dim], residual[..., dim:])
-            rebuilt = torch.cat([rk, rv], dim=-1) + base
+            rebuilt = torch.cat([rk, rv], dim=-1) + split.bases
             coded[:, others] = rebuilt
             centered = target - target.mean(dim=1, keepdim=True)
             error = (rebuilt - target).pow(2).sum() / centered.pow(2).sum().clamp_min(1e-12)

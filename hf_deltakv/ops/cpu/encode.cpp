@@ -1,6 +1,6 @@
 // Encoding one decoded token on the CPU: block quantization (q4_0, q4_1, q8_0 and the 16-wide variants) and the
-// delta codec's closed-loop inter/intra step. Specifications: hf_deltakv.quant.quantize and
-// hf_deltakv.codecs.delta.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
+// delta codec's closed-loop inter/intra step. Specifications: hf_deltakv.formats.quantize and
+// hf_deltakv.ops.reference.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
 // arithmetic in the reference's order, with no fused multiply-adds.
 #pragma GCC optimize("fp-contract=off")
 #include <torch/extension.h>
@@ -13,8 +13,12 @@
 
 namespace {
 
-enum Format : int64_t { Q4_SYM = 1, Q4_ASYM = 2, Q8 = 3 };
-constexpr float FP16_MAX = 65504.0f;
+#if !defined(HFD_KIND_Q4_SYM)
+#error "build through hf_deltakv.ops.cpu: the format ids come from hf_deltakv.ops.layout.constants()"
+#endif
+enum Format : int64_t { Q4_SYM = HFD_KIND_Q4_SYM, Q4_ASYM = HFD_KIND_Q4_ASYM, Q8 = HFD_KIND_Q8 };
+// fp16's largest finite value, where scales saturate (formats/blocks.py: FP16_MAX).
+const float FP16_MAX = static_cast<float>(std::numeric_limits<c10::Half>::max());
 
 inline float clampf(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
 inline float reciprocal(float d) { return d == 0.f ? 0.f : 1.0f / d; }
@@ -24,7 +28,7 @@ struct Coded {
   int64_t bytes, n_blocks;
 };
 
-// Quantize one block of `bs` values into `codes` (packed), its fp16 scale (and min); mirrors quant/blocks.py.
+// Quantize one block of `bs` values into `codes` (packed), its fp16 scale (and min); mirrors formats/blocks.py.
 void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, at::Half* scale, at::Half* min) {
   bool finite = true;
   for (int64_t j = 0; j < bs; ++j) finite = finite && std::isfinite(x[j]);
@@ -74,7 +78,7 @@ void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, 
   for (int64_t j = 0; j < half; ++j) codes[j] = q[j] | static_cast<uint8_t>(q[j + half] << 4);
 }
 
-// Dequantize one block (reference: quant/blocks.py dequantize).
+// Dequantize one block (reference: formats/blocks.py dequantize).
 void dequantize_block(const uint8_t* codes, float scale, float min, int64_t bs, int64_t format, float* out) {
   if (format == Q8) {
     for (int64_t j = 0; j < bs; ++j) out[j] = static_cast<float>(static_cast<int8_t>(codes[j])) * scale;

@@ -16,24 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..quant import QuantizedTensor
-from ..residual.codec import decode_residuals, encode_residuals
-from ..residual.compressor import LayerCompressor
-from ..residual.references import is_reference, load_references, reference_mean, store_references, token_bases
+from ..formats import QuantizedTensor, nbytes_of
+from ..layers import PositionLog, StreamLayer
 from ..rope import RopeInverter
-from .base import PositionLog, StreamLayer
-
-
-def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
-    """`[batch, heads, n, dim]` -> `[batch, n, heads * dim]`."""
-    batch, heads, n, dim = x.shape
-    return x.permute(0, 2, 1, 3).reshape(batch, n, heads * dim)
-
-
-def tokens_to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """`[batch, n, heads * dim]` -> `[batch, heads, n, dim]`."""
-    batch, n, width = x.shape
-    return x.reshape(batch, n, heads, width // heads).permute(0, 2, 1, 3)
+from .codec import decode_residuals, encode_residuals
+from .compressor import LayerCompressor, ResidualLayout
+from .references import is_reference, load_references, reference_mean, split_tokens
+from .tokens import heads_to_tokens, tokens_to_heads
 
 
 class ResidualLayer(StreamLayer):
@@ -42,25 +31,20 @@ class ResidualLayer(StreamLayer):
     Args:
         compressor: this layer's trained encoder/decoder.
         bits: bit depth of each latent group (0 = dropped).
-        stride, top_k, window, reference_format: see `ResidualConfig`.
-        sink_tokens, rope, positions: see `StreamLayer`.
+        layout: references, sinks and raw window (`ResidualLayout`; `sink_tokens` is taken from it).
+        rope, positions: see `StreamLayer`.
     """
 
     def __init__(
         self,
         compressor: LayerCompressor,
         bits: list[int],
-        stride: int,
-        top_k: int,
-        window: int,
-        reference_format: str,
-        sink_tokens: int = 0,
+        layout: ResidualLayout,
         rope: RopeInverter | None = None,
         positions: PositionLog | None = None,
     ) -> None:
-        self.compressor, self.bits = compressor, bits
-        self.stride, self.top_k, self.window, self.reference_format = stride, top_k, window, reference_format
-        super().__init__(sink_tokens, rope, positions)
+        self.compressor, self.bits, self.layout = compressor, bits, layout
+        super().__init__(layout.sink_tokens, rope, positions)
 
     def _clear_stream(self) -> None:
         self.window_keys = self.window_values = None  # raw, [B, H, <= window, D]
@@ -86,7 +70,7 @@ class ResidualLayer(StreamLayer):
         else:
             self.window_keys = torch.cat([self.window_keys, keys], dim=2)
             self.window_values = torch.cat([self.window_values, values], dim=2)
-        overflow = self.window_keys.shape[2] - self.window
+        overflow = self.window_keys.shape[2] - self.layout.window
         if overflow > 0:
             self._compress(overflow)
 
@@ -101,34 +85,28 @@ class ResidualLayer(StreamLayer):
             keys = self.rope.undo(keys, *self._cos_sin(begin, begin + n))
         x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)
         index = torch.arange(self.compressed, self.compressed + n, device=x.device)
-        refs = is_reference(index, self.stride)
-        if refs.any():
-            stored = store_references(x[:, refs], self.reference_format)
-            self.references = stored if self.references is None else QuantizedTensor.cat([self.references, stored], 1)
-        others = ~refs
-        if others.any():
-            ids, base = self._bases(x[:, others], index[others])
+        split = split_tokens(x, index, self.layout, self.references)
+        if split.stored is not None:
+            stored = [q for q in (self.references, split.stored) if q is not None]
+            self.references = QuantizedTensor.cat(stored, 1)
+        coded = ~split.is_reference
+        if coded.any():
             dim = self.compressor.stream_dim
-            residual = x[:, others] - base
+            residual = x[:, coded] - split.bases
             packed, scales = encode_residuals(self.compressor, self.bits, residual[..., :dim], residual[..., dim:])
             self.codes = packed if self.codes is None else torch.cat([self.codes, packed], dim=1)
             self.scales = scales if self.scales is None else torch.cat([self.scales, scales], dim=1)
-            if ids is not None:
-                ids = ids.to(torch.int16)
+            if split.ids is not None:
+                ids = split.ids.to(torch.int16)
                 self.reference_ids = ids if self.reference_ids is None else torch.cat([self.reference_ids, ids], 1)
         self.compressed += n
-
-    def _bases(self, x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        refs = None if self.references is None else load_references(self.references)
-        ref_index = torch.arange(0 if refs is None else refs.shape[1], device=x.device) * self.stride
-        return token_bases(x, index, refs, ref_index, self.top_k)
 
     def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         keys_parts, value_parts = [], []
         if self.compressed:
             dim = self.compressor.stream_dim
             x = torch.empty(self.batch_size, self.compressed, 2 * dim, device=self.device)
-            is_ref = is_reference(torch.arange(self.compressed, device=self.device), self.stride)
+            is_ref = is_reference(torch.arange(self.compressed, device=self.device), self.layout.stride)
             if self.references is not None:
                 refs = load_references(self.references)
                 x[:, is_ref] = refs
@@ -155,13 +133,7 @@ class ResidualLayer(StreamLayer):
         return [self.window_keys, self.window_values, self.references, self.codes, self.scales, self.reference_ids]
 
     def _stream_nbytes(self) -> int:
-        total = 0
-        for t in self._stored():
-            if isinstance(t, QuantizedTensor):
-                total += t.nbytes()
-            elif t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        return nbytes_of(self._stored())
 
     def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.window_keys is not None:

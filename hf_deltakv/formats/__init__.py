@@ -1,23 +1,26 @@
-"""llama.cpp block formats: data declarations, bit packing, quantize/dequantize."""
+"""Block formats as data (the table every kernel reads), bit packing, reference quantize/dequantize, byte counting."""
 
 from .blocks import (
     QuantizedTensor,
     dequantize,
+    nbytes_of,
     quantize,
     quantize_f16,
     quantize_q4_0,
     quantize_q4_1,
     quantize_q8_0,
 )
-from .formats import FORMATS, BlockFormat, get_format
 from .packing import pack_4bit, unpack_4bit
+from .table import FORMATS, BlockFormat, Kind, get_format
 
 __all__ = [
     "FORMATS",
     "BlockFormat",
+    "Kind",
     "QuantizedTensor",
     "dequantize",
     "get_format",
+    "nbytes_of",
     "pack_4bit",
     "quantize",
     "quantize_f16",

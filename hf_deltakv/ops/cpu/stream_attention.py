@@ -7,10 +7,28 @@ import math
 
 import torch
 
-from ...codecs.layout import EMPTY_BYTES, StreamLayout
+from ..layout import DeltaStream, PlainStream, StreamLayout
 
 EMPTY_FLOAT = torch.empty(0)
+EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
 TOKENS_PER_ITEM = 256  # tokens per work item: items are spread over the threads, then merged
+
+
+def _tiles(q, dim: int) -> bool:
+    return q is None or dim % q.fmt.block_size == 0
+
+
+def supports(stream: StreamLayout) -> bool:
+    """Plain streams, and delta streams coded against the previous token, whose blocks tile the head dimension."""
+    if isinstance(stream, PlainStream):
+        return _tiles(stream.blocks, stream.dim)
+    if isinstance(stream, DeltaStream):
+        return (
+            stream.reference == "previous"
+            and _tiles(stream.keyframes, stream.dim)
+            and _tiles(stream.deltas, stream.dim)
+        )
+    return False
 
 
 def _channel_major(table: torch.Tensor) -> torch.Tensor:
@@ -30,26 +48,23 @@ def stream_attention(
     n_queries: int,
     causal_offset: int,
     scale: float,
-    length: int,
     extension,
 ) -> torch.Tensor:
-    """Run the compiled kernel; arguments as in `reference.stream_attention`, the streams given by their layouts."""
-    aligned = math.lcm(keys.meta[6] if keys.meta[0] == 1 else 1, values.meta[6] if values.meta[0] == 1 else 1)
+    """Run the compiled kernel; arguments as in `reference.stream_attention` (the C++ side reads the layouts' fields
+    by name)."""
+    aligned = math.lcm(*(s.kf if isinstance(s, DeltaStream) else 1 for s in (keys, values)))
     split = -(-TOKENS_PER_ITEM // aligned) * aligned  # delta streams: every work item starts on a keyframe
     return extension.stream_attention(
         query.float().contiguous(),
         sink_keys.float().contiguous(),
         sink_values.float().contiguous(),
-        keys.tensors,
-        keys.meta,
-        values.tensors,
-        values.meta,
+        keys,
+        values,
         _channel_major(cos) if cos is not None else EMPTY_FLOAT,
         _channel_major(sin) if sin is not None else EMPTY_FLOAT,
         mask.to(torch.uint8).contiguous() if mask is not None else EMPTY_BYTES,
         n_queries,
         causal_offset,
         float(scale),
-        length,
         split,
     )

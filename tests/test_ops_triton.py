@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_deltakv.kernels import reference
+from hf_deltakv.codecs import PlainCodec, RotatedCodec
+from hf_deltakv.ops import reference
+
+from .conftest import delta_codec
 
 pytest.importorskip("triton", reason="needs the triton extra")
 
@@ -16,7 +19,7 @@ pytest.importorskip("triton", reason="needs the triton extra")
     [(1, 7, 45, 16, True), (3, 65, 96, 32, False), (2, 130, 33, 8, True)],
 )
 def test_skip_matvec_matches_reference(batch, n_out, n_in, block_size, bias):
-    from hf_deltakv.kernels.triton.skip_matvec import skip_matvec
+    from hf_deltakv.ops.triton.skip_matvec import skip_matvec
 
     torch.manual_seed(n_in)
     x = torch.randn(batch, n_in, dtype=torch.bfloat16).float()
@@ -33,14 +36,14 @@ def test_skip_matvec_matches_reference(batch, n_out, n_in, block_size, bias):
 
 
 def test_skip_matvec_with_nothing_kept_is_the_bias():
-    from hf_deltakv.kernels.triton.skip_matvec import skip_matvec
+    from hf_deltakv.ops.triton.skip_matvec import skip_matvec
 
     x, weight, b = torch.randn(1, 20), torch.randn(5, 20), torch.randn(5)
     torch.testing.assert_close(skip_matvec(x, weight, b, torch.zeros(2, dtype=torch.bool), 16), b[None])
 
 
 def test_non_power_of_two_blocks_are_refused_by_the_kernel():
-    from hf_deltakv.kernels.triton.skip_matvec import skip_matvec
+    from hf_deltakv.ops.triton.skip_matvec import skip_matvec
 
     with pytest.raises(ValueError, match="power-of-two"):
         skip_matvec(torch.randn(1, 12), torch.randn(3, 12), None, torch.ones(2, dtype=torch.bool), 6)
@@ -48,9 +51,9 @@ def test_non_power_of_two_blocks_are_refused_by_the_kernel():
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"])
 @pytest.mark.parametrize("shape", [(3, 5, 40), (1, 64), (2, 1, 3, 7)])
-def test_quantize_is_byte_identical_and_dequantize_matches(fmt, shape):
-    from hf_deltakv.kernels.triton import quantize as kernel
-    from hf_deltakv.quant import dequantize, quantize
+def test_quantize_is_byte_identical(fmt, shape):
+    from hf_deltakv.formats import quantize
+    from hf_deltakv.ops.triton import quantize as kernel
 
     torch.manual_seed(sum(shape))
     x = (torch.randn(shape, dtype=torch.bfloat16) * 3).float()
@@ -63,33 +66,18 @@ def test_quantize_is_byte_identical_and_dequantize_matches(fmt, shape):
         if want is not None:
             assert have.shape == want.shape and have.dtype == want.dtype, name
             assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
-    torch.testing.assert_close(kernel.dequantize(expected), dequantize(expected), atol=0, rtol=0)
 
 
 def test_quantize_kernel_marks_non_finite_blocks_nan():
-    from hf_deltakv.kernels.triton import quantize as kernel
+    from hf_deltakv.formats import dequantize
+    from hf_deltakv.ops.triton import quantize as kernel
 
     x = torch.randn(2, 64)
     x[0, 3] = float("inf")
     x[1, 40] = float("nan")
-    out = kernel.dequantize(kernel.quantize(x, "q4_0"))
+    out = dequantize(kernel.quantize(x, "q4_0"))
     assert out[0, :32].isnan().all() and out[1, 32:].isnan().all()
     assert out[0, 32:].isfinite().all() and out[1, :32].isfinite().all()
-
-
-@pytest.mark.parametrize(("shape", "dim"), [((2, 3, 37, 5), 2), ((4, 9), 0), ((3, 2, 2, 17, 64), 3)])
-def test_segmented_prefix_sum_matches_reference(shape, dim):
-    from hf_deltakv.kernels.triton.prefix_sum import segmented_prefix_sum
-
-    torch.manual_seed(len(shape))
-    values = torch.randn(shape, dtype=torch.bfloat16).float()
-    resets = torch.rand(shape) < 0.2
-    expected = reference.segmented_prefix_sum(values, resets, dim)
-    torch.testing.assert_close(segmented_prefix_sum(values, resets, dim), expected, atol=1e-5, rtol=1e-5)
-    # resets broadcast along channels, as keyframe flags are
-    shared = (torch.rand(shape[: dim + 1]) < 0.3).reshape(*shape[: dim + 1], *[1] * (len(shape) - dim - 1))
-    expected = reference.segmented_prefix_sum(values, shared, dim)
-    torch.testing.assert_close(segmented_prefix_sum(values, shared, dim), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -97,29 +85,36 @@ def test_segmented_prefix_sum_matches_reference(shape, dim):
     [("q4_0", 1, 3, 1, 37, False), ("q4_1", 2, 4, 2, 50, True), ("q8_0", 1, 2, 2, 19, False)],
 )
 def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads, tokens, masked):
-    from hf_deltakv.kernels.triton.decode_attention import decode_attention
-    from hf_deltakv.quant import quantize
+    """The plain block-quantized kernel (rotated keys served by rotating the query) against the reference over the
+    same storage; sinks masked out so that both see the stream only."""
+    from hf_deltakv.ops.triton.decode_attention import plain_attention, supports
 
     torch.manual_seed(tokens)
-    dim = 64
-    query = torch.randn(batch, q_heads, dim, dtype=torch.bfloat16).float()
-    keys = quantize(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float(), fmt)
-    values = quantize(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float(), fmt)
-    mask = None
+    dim, group, sinks = 64, q_heads // kv_heads, 1
+    query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
+    keys, values = RotatedCodec(PlainCodec(fmt)), PlainCodec(fmt)
+    keys.append(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float())
+    values.append(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float())
+    assert supports(keys.layout(), values.layout(), rope=False)
+    mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
+    mask[:, :, :sinks] = False
     if masked:  # left padding in the first sequence
-        mask = torch.ones(batch, tokens, dtype=torch.bool)
-        mask[0, :7] = False
-    expected = reference.decode_attention(query, keys, values, dim**-0.5, mask)
+        mask[0, :, sinks : sinks + 7] = False
+    sink_kv = torch.randn(batch, kv_heads, sinks, dim)
+    args = (query, sink_kv, sink_kv, keys.layout(), values.layout(), None, None, mask, 1, sinks + tokens - 1)
+    expected = reference.stream_attention(*args, dim**-0.5)
     for splits in (1, 3):
-        got = decode_attention(query, keys, values, dim**-0.5, mask, splits=splits)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        acc, _, total = plain_attention(
+            query, keys.layout(), values.layout(), mask[:, 0], sinks, dim**-0.5, splits=splits
+        )
+        torch.testing.assert_close(acc / total[..., None], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [[4, 0, 2, 8], [3, 5, 6, 0, 0, 2], [0, 8]])
 @pytest.mark.parametrize("lead", [(1,), (2, 5)])
 def test_dequantize_latent_matches_reference(bits, lead):
-    from hf_deltakv.kernels.triton.latent import dequantize_latent
-    from hf_deltakv.quant.bitpack import GROUP
+    from hf_deltakv.formats.bitpack import GROUP
+    from hf_deltakv.ops.triton.latent import dequantize_latent
     from hf_deltakv.residual.codec import quantize_latent
 
     torch.manual_seed(len(bits) + len(lead))
@@ -136,7 +131,7 @@ def test_dequantize_latent_matches_reference(bits, lead):
     [(2, 3, 5, 64, 16, True), (1, 2, 4, 64, 32, True), (3, 1, 6, 32, 16, False), (1, 2, 1, 64, 16, True)],
 )
 def test_delta_encode_matches_reference(streams, groups, kf, dim, block, intra):
-    from hf_deltakv.kernels.triton.delta_encode import delta_encode_groups
+    from hf_deltakv.ops.triton.delta_encode import delta_encode_groups
 
     torch.manual_seed(kf * dim)
     walk = torch.randn(streams, groups, kf, dim, dtype=torch.bfloat16).float().cumsum(2)
@@ -153,18 +148,17 @@ def test_delta_encode_matches_reference(streams, groups, kf, dim, block, intra):
 @pytest.mark.parametrize("options", [{"kf": 4}, {"kf": 8, "delta_format": "q4_0"}, {"kf": 5, "intra": False}])
 def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, options):
     """DeltaCodec takes the fused encode kernel on GPUs; forced here (interpreter) it must store the same bytes."""
-    import hf_deltakv.kernels
-    from hf_deltakv.codecs import delta as delta_module
+    import hf_deltakv.ops
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 43, 64, dtype=torch.bfloat16).float().cumsum(2)
     step = torch.randn(2, 3, 1, 64)
-    plain = delta_module.DeltaCodec(**options)
+    plain = delta_codec(**{"delta_format": "q4_0_16", **options})
     plain.append(x)
     plain.append(step)
-    monkeypatch.setattr(delta_module, "use_triton", lambda device: True)
-    monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
-    fused = delta_module.DeltaCodec(**options)
+    monkeypatch.setattr(hf_deltakv.ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(hf_deltakv.ops, "_cpu_extension", lambda device: None)
+    fused = delta_codec(**{"delta_format": "q4_0_16", **options})
     fused.append(x)
     fused.append(step)
     for name in ("keyframes", "deltas"):
@@ -186,8 +180,7 @@ def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, op
 def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, intra, values, masked, per_split):
     """The delta cache's fused decode attention (segmented scan, un-rotation and RoPE in the tile) against
     `reference.stream_attention` on the same storage (sinks masked out, so both see the stream only)."""
-    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
-    from hf_deltakv.kernels.triton.delta_attention import delta_attention, plan
+    from hf_deltakv.ops.triton.delta_attention import delta_attention, supports
 
     torch.manual_seed(tokens + dim)
     batch, kv_heads, group = 2, 2, 3
@@ -197,14 +190,14 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
     def wrap(codec):
         return RotatedCodec(codec) if rotate else codec
 
-    key_codec = wrap(DeltaCodec(kf=kf, delta_format="q4_0_16", keyframe_format="q8_0", intra=intra))
+    key_codec = wrap(delta_codec(kf=kf, delta_format="q4_0_16", keyframe_format="q8_0", intra=intra))
     value_codec = wrap(PlainCodec(values))
     key_codec.append(x[:, :, :9])
     for t in range(9, tokens):
         key_codec.append(x[:, :, t : t + 1])
     value_codec.append(v)
-    layout = plan(key_codec, value_codec, dim)
-    assert layout is not None
+    keys, stored = key_codec.layout(), value_codec.layout()
+    assert supports(keys, stored)
     query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
     cos = sin = None
     if rope:
@@ -217,37 +210,39 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
         mask[0, :, sinks : sinks + 5] = False
     sink_kv = torch.randn(batch, kv_heads, sinks, dim)
     expected = reference.stream_attention(
-        query, sink_kv, sink_kv, key_codec, value_codec, cos, sin, mask, 1, sinks + tokens - 1, 0.2
+        query, sink_kv, sink_kv, keys, stored, cos, sin, mask, 1, sinks + tokens - 1, 0.2
     )
-    keys, key_rotation, stored, value_rotation = layout
-    acc, _, total = delta_attention(
-        query, keys, stored, key_rotation, value_rotation, cos, sin, mask[:, 0], sinks, 0.2, per_split
-    )
+    acc, _, total = delta_attention(query, keys, stored, cos, sin, mask[:, 0], sinks, 0.2, per_split)
     torch.testing.assert_close(acc / total[..., None], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_dispatch_sends_the_delta_cache_to_the_triton_kernel_and_merges_the_sinks(monkeypatch):
-    """`kernels.stream_attention` on a Triton device (faked: the interpreter runs on the CPU): the fused delta kernel
-    over the stream, then the raw sinks merged in, equal to the reference over sinks and stream."""
-    import hf_deltakv.kernels as kernels
-    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+@pytest.mark.parametrize("keys_kind", ["delta", "plain"])
+def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monkeypatch, keys_kind):
+    """`ops.stream_attention` on a Triton device (faked: the interpreter runs on the CPU): a Triton kernel over the
+    stream, then the raw sinks merged in, equal to the reference over sinks and stream."""
+    import hf_deltakv.ops as ops
+    from hf_deltakv.ops.triton import decode_attention, delta_attention
 
     torch.manual_seed(5)
     batch, kv_heads, group, dim, tokens, sinks = 1, 2, 2, 32, 40, 3
-    keys, values = RotatedCodec(DeltaCodec(kf=16)), RotatedCodec(PlainCodec("q4_0"))
+    keys = RotatedCodec(delta_codec(kf=16) if keys_kind == "delta" else PlainCodec("q4_0"))
+    values = RotatedCodec(PlainCodec("q4_0"))
     keys.append(torch.randn(batch, kv_heads, tokens, dim).cumsum(2) * 0.3)
     values.append(torch.randn(batch, kv_heads, tokens, dim))
     query = torch.randn(batch, kv_heads, group, dim)
     sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
-    angle = torch.rand(batch, tokens, dim // 2) * 6
-    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    args = (query, sink_keys, sink_values, keys, values, cos, sin, None, 1, sinks + tokens - 1, 0.25)
+    cos = sin = None
+    if keys_kind == "delta":  # the plain kernel applies no RoPE (keys after RoPE)
+        angle = torch.rand(batch, tokens, dim // 2) * 6
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), cos, sin, None, 1, sinks + tokens - 1, 0.25)
     expected = reference.stream_attention(*args)
     called = []
-    from hf_deltakv.kernels.triton import delta_attention as module
-
-    original = module.delta_attention
-    monkeypatch.setattr(module, "delta_attention", lambda *a, **k: called.append(1) or original(*a, **k))
-    monkeypatch.setattr(kernels, "use_triton", lambda device: True)
-    torch.testing.assert_close(kernels.stream_attention(*args), expected, atol=1e-4, rtol=1e-4)
+    module, name = (
+        (delta_attention, "delta_attention") if keys_kind == "delta" else (decode_attention, "plain_attention")
+    )
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: called.append(1) or original(*a, **k))
+    monkeypatch.setattr(ops, "use_triton", lambda device: True)
+    torch.testing.assert_close(ops.stream_attention(*args), expected, atol=1e-4, rtol=1e-4)
     assert called

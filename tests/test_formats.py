@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_deltakv.quant import (
+from hf_deltakv.formats import (
     FORMATS,
     BlockFormat,
+    Kind,
     dequantize,
     get_format,
     pack_4bit,
@@ -41,7 +42,7 @@ def test_declared_sizes():
     assert [FORMATS[n].bytes_per_block for n in ("q4_0", "q4_1", "q8_0")] == [18, 20, 34]
     assert FORMATS["q4_0"].bits_per_element == 4.5
     with pytest.raises(ValueError, match="not the declared"):
-        BlockFormat("bad", bits=4, block_size=32, scale_bytes=2, bytes_per_block=19)
+        BlockFormat("bad", Kind.Q4_SYM, bits=4, block_size=32, scale_bytes=2, bytes_per_block=19)
 
 
 def test_unknown_format_names_allowed():

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..hadamard import rotate, rotation_matrix
+from ..layout import DeltaStream, PlainStream
 from .decode_attention import _load_tile, combine_splits, fold_tile, load_queries, store_partials
 
 
@@ -65,6 +67,11 @@ def _delta_attention_kernel(
     ROTATE: tl.constexpr,
     ROPE: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    SNAP_0: tl.constexpr,
+    SNAP_1: tl.constexpr,
+    SNAP_2: tl.constexpr,
+    SNAP_LAST: tl.constexpr,
+    SNAP_INTERVAL: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -113,9 +120,9 @@ def _delta_attention_kernel(
         base = tl.zeros((KF, D), dtype=tl.float32)
         if HAS_MEAN:
             snap = tl.where(
-                tok < 1024,
-                (tok >= 16).to(tl.int32) + (tok >= 64).to(tl.int32) + (tok >= 256).to(tl.int32),
-                4 + (tok - 1024) // 2048,
+                tok < SNAP_LAST,
+                (tok >= SNAP_0).to(tl.int32) + (tok >= SNAP_1).to(tl.int32) + (tok >= SNAP_2).to(tl.int32),
+                4 + (tok - SNAP_LAST) // SNAP_INTERVAL,
             )
             snap = tl.minimum(snap - 1, n_snapshots - 1)
             row = bh * n_snapshots + tl.maximum(snap, 0)
@@ -153,12 +160,21 @@ def _rotate_half_matrix(dim: int, device: torch.device) -> torch.Tensor:
     return p
 
 
+def supports(keys: DeltaStream, values: PlainStream) -> bool:
+    """Delta keys from the previous token (symmetric 4-bit deltas, q8_0 keyframes, kf a power of two >= 16) and plain
+    block-quantized values, of one power-of-two head dim that is a multiple of 32."""
+    dim, kf = keys.dim, keys.kf
+    if dim % 32 or dim & (dim - 1) or values.dim != dim or values.blocks.fmt.name == "f16":
+        return False
+    if keys.reference != "previous" or kf < 16 or kf & (kf - 1) or keys.keyframes.fmt.name != "q8_0":
+        return False
+    return keys.deltas is None or keys.deltas.fmt.name in ("q4_0", "q4_0_16")
+
+
 def delta_attention(
     query: torch.Tensor,
-    key_codec,
-    values,
-    rotation: int,
-    value_rotation: int,
+    keys: DeltaStream,
+    values: PlainStream,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     mask: torch.Tensor | None,
@@ -167,25 +183,23 @@ def delta_attention(
     groups_per_split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online-softmax statistics `(acc, max, sum)` of one query per head over a delta-coded key stream and a plain
-    value stream; `acc` is returned in the values' original basis.
+    value stream (spec: `reference.stream_attention` without sinks); `acc` in the values' original basis.
 
     Args:
         query: fp32 `[batch, kv_heads, group, dim]`.
-        key_codec: the (unwrapped) `DeltaCodec` of the keys: q8_0 keyframes, symmetric 4-bit deltas.
-        values: the values' `QuantizedTensor` (plain per-token blocks).
-        rotation, value_rotation: Hadamard block of the keys / values (0: not rotated).
+        keys, values: see `supports`.
         cos, sin: fp32 `[batch, tokens, dim]` or None; mask: bool `[batch, sinks + tokens]` or None.
     """
-    from ...codecs.rotation import _hadamard, rotate
-
     batch, kv_heads, group, dim = query.shape
-    kf, length = key_codec.kf, key_codec.length
-    keyframes, deltas = key_codec.keyframes, key_codec.deltas
+    kf, length = keys.kf, keys.length
+    keyframes, deltas = keys.keyframes, keys.deltas
     n_groups = keyframes.scales.shape[2]
     device = query.device
-    eye = torch.eye(dim, device=device)
-    h = torch.block_diag(*[_hadamard(rotation).to(device)] * (dim // rotation)) if rotation else eye
-    means = key_codec.means if key_codec.means is not None and key_codec.mean_reference else None
+    h = rotation_matrix(dim, keys.rotation, device)
+    means = keys.means if keys.intra else None
+    schedule = keys.snapshots
+    if len(schedule.points) != 3:
+        raise ValueError("the Triton delta kernel reads a mean snapshot schedule of three growing points")
     g_pad = max(triton.next_power_of_2(group), 1)
     groups_per_split = groups_per_split or max(1, triton.cdiv(n_groups, 64))
     splits = triton.cdiv(n_groups, groups_per_split)
@@ -195,6 +209,7 @@ def delta_attention(
     dummy = o
     d_codes = deltas.codes.contiguous() if deltas is not None else torch.zeros(1, dtype=torch.uint8, device=device)
     d_scales = deltas.scales.contiguous() if deltas is not None else torch.zeros(1, dtype=torch.float16, device=device)
+    v = values.blocks
     _delta_attention_kernel[(batch * kv_heads, splits)](
         query.float().contiguous(),
         keyframes.codes.contiguous().view(torch.int8),
@@ -206,9 +221,9 @@ def delta_attention(
         (h @ _rotate_half_matrix(dim, device)).contiguous(),
         cos.contiguous() if cos is not None else dummy,
         sin.contiguous() if sin is not None else dummy,
-        values.codes.contiguous().view(torch.int8) if values.fmt.bits == 8 else values.codes.contiguous(),
-        values.scales.contiguous(),
-        values.mins.contiguous() if values.mins is not None else values.scales.contiguous(),
+        v.codes.contiguous().view(torch.int8) if v.fmt.bits == 8 else v.codes.contiguous(),
+        v.scales.contiguous(),
+        v.mins.contiguous() if v.mins is not None else v.scales.contiguous(),
         mask.to(torch.uint8).contiguous() if mask is not None else dummy,
         o,
         m,
@@ -227,39 +242,21 @@ def delta_attention(
         D=dim,
         KF=kf,
         BS=deltas.fmt.block_size if deltas is not None else 16,
-        V_BLOCK=values.fmt.block_size,
-        V_BITS=values.fmt.bits,
-        V_ASYM=values.mins is not None,
-        INTRA=key_codec.intra,
+        V_BLOCK=v.fmt.block_size,
+        V_BITS=v.fmt.bits,
+        V_ASYM=v.mins is not None,
+        INTRA=keys.intra,
         HAS_MEAN=means is not None,
-        ROTATE=bool(rotation),
+        ROTATE=bool(keys.rotation),
         ROPE=cos is not None,
         HAS_MASK=mask is not None,
+        SNAP_0=schedule.points[0],
+        SNAP_1=schedule.points[1],
+        SNAP_2=schedule.points[2],
+        SNAP_LAST=schedule.last,
+        SNAP_INTERVAL=schedule.interval,
     )
     acc, top, total = (t[:, :group] for t in combine_splits(o, m, total))
-    acc = rotate(acc, inverse=True) if value_rotation else acc
+    acc = rotate(acc, inverse=True) if values.rotation else acc
     shape = (batch, kv_heads, group)
     return acc.reshape(*shape, dim), top.reshape(shape), total.reshape(shape)
-
-
-def plan(key_codec, value_codec, dim: int):
-    """`(delta codec, key rotation, value storage, value rotation)` when this kernel reads the streams, else None:
-    keys a `DeltaCodec` (previous-token reference, symmetric 4-bit deltas, q8_0 keyframes, kf a power of two
-    >= 16), values plain per-token blocks; head_dim a power of two, a multiple of 32."""
-    from ...codecs.delta import DeltaCodec
-    from ...codecs.plain import PlainCodec
-    from ...codecs.rotation import RotatedCodec, rotation_block
-
-    def unwrap(codec):
-        return (codec.inner, rotation_block(dim)) if isinstance(codec, RotatedCodec) else (codec, 0)
-
-    keys, key_rotation = unwrap(key_codec)
-    values, value_rotation = unwrap(value_codec)
-    if dim % 32 or dim & (dim - 1) or not isinstance(keys, DeltaCodec) or not isinstance(values, PlainCodec):
-        return None
-    kf = keys.kf
-    if keys.reference != "previous" or kf < 16 or kf & (kf - 1) or keys.keyframe_format != "q8_0":
-        return None
-    if keys.delta_format not in ("q4_0", "q4_0_16") or values.stored is None or values.fmt == "f16":
-        return None
-    return keys, key_rotation, values.stored, value_rotation

@@ -1,18 +1,11 @@
 """Python side of the CPU encode kernels (`encode.cpp`): one decoded token's block quantization and closed-loop delta
-step, byte-identical to `quant.quantize` and `codecs.delta.code_delta` (tested)."""
+step, byte-identical to `formats.quantize` and `reference.code_delta` (tested)."""
 
 from __future__ import annotations
 
 import torch
 
-from ...quant import QuantizedTensor, get_format
-
-KINDS = {"q4_0": 1, "q4_0_16": 1, "q4_1": 2, "q4_1_16": 2, "q8_0": 3}
-
-
-def supports(fmt: str, dim: int) -> bool:
-    """Formats the kernels encode (not f16), with blocks tiling `dim` exactly."""
-    return fmt in KINDS and dim % get_format(fmt).block_size == 0
+from ...formats import QuantizedTensor, get_format
 
 
 def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> QuantizedTensor:
@@ -27,10 +20,10 @@ def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> Quanti
 
 
 def quantize(x: torch.Tensor, fmt: str, extension) -> QuantizedTensor:
-    """`quant.quantize(x, fmt)` for fp32 `x [..., dim]`."""
+    """`formats.quantize(x, fmt)` for fp32 `x [..., dim]`."""
     dim = x.shape[-1]
     codes, scales, mins = extension.quantize_rows(
-        x.reshape(-1, dim).float().contiguous(), KINDS[fmt], get_format(fmt).block_size
+        x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size
     )
     return _packed(fmt, x.shape[:-1], dim, codes, scales, mins)
 
@@ -38,7 +31,7 @@ def quantize(x: torch.Tensor, fmt: str, extension) -> QuantizedTensor:
 def code_delta(
     x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool, extension
 ) -> tuple[QuantizedTensor, torch.Tensor]:
-    """`codecs.delta.code_delta` for fp32 tensors `[..., dim]` of one shape."""
+    """`reference.code_delta` for fp32 tensors `[..., dim]` of one shape."""
     dim = x.shape[-1]
 
     def rows(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +39,6 @@ def code_delta(
 
     block = get_format(fmt).block_size
     codes, scales, mins, recon = extension.code_delta_rows(
-        rows(x), rows(base), rows(long_term), KINDS[fmt], block, intra
+        rows(x), rows(base), rows(long_term), int(get_format(fmt).kind), block, intra
     )
     return _packed(fmt, x.shape[:-1], dim, codes, scales, mins), recon.view(x.shape)

@@ -1,5 +1,5 @@
-"""Triton kernels: quantize + pack into llama.cpp block formats (q4_0, q4_1, q8_0 and our 16-wide variants), and
-dequantize. Specification: `hf_deltakv.quant.quantize` / `dequantize` (byte-identical codes and scales).
+"""Triton kernels: quantize + pack into llama.cpp block formats (q4_0, q4_1, q8_0 and our 16-wide variants).
+Specification: `hf_deltakv.formats.quantize` (byte-identical codes and scales).
 
 Each program handles `ROWS` blocks. A 4-bit block is loaded as its two halves, because byte j of a block packs
 code j (low nibble) with code j + block/2 (high nibble), llama.cpp's order.
@@ -11,17 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant.blocks import QuantizedTensor
-from ...quant.formats import get_format
+from ... import formats
+from ...formats import Kind, QuantizedTensor, get_format
 
-FP16_MAX = 65504.0
+FP16_MAX = tl.constexpr(formats.FP16_MAX)  # where scales saturate, as in the reference
 ROWS = 16
 
 
 @triton.jit
 def _scale_out(d, finite):
     """fp16 scale as the reference stores it: saturated, NaN where the block is not finite."""
-    d = tl.minimum(tl.maximum(d, -65504.0), 65504.0)
+    d = tl.minimum(tl.maximum(d, -FP16_MAX), FP16_MAX)
     return tl.where(finite, d, float("nan"))
 
 
@@ -43,7 +43,7 @@ def q4_0_halves(lo, hi, cols, HALF: tl.constexpr):
     v = tl.sum(tl.where(cols[None, :] == idx[:, None], lo, 0.0), axis=1) + tl.sum(
         tl.where(cols[None, :] + HALF == idx[:, None], hi, 0.0), axis=1
     )
-    d = tl.minimum(tl.maximum(v / -8, -65504.0), 65504.0)
+    d = tl.minimum(tl.maximum(v / -8, -FP16_MAX), FP16_MAX)
     inv = _reciprocal(d)
     return tl.floor(lo * inv[:, None] + 8.5), tl.floor(hi * inv[:, None] + 8.5), d
 
@@ -66,8 +66,8 @@ def _quantize_4bit_kernel(
     if ASYMMETRIC:
         hi = tl.maximum(tl.max(lo_half, axis=1), tl.max(hi_half, axis=1))
         lo = tl.minimum(tl.min(lo_half, axis=1), tl.min(hi_half, axis=1))
-        lo = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
-        d = tl.minimum(tl.maximum((hi - lo) / 15, -65504.0), 65504.0)
+        lo = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX)
+        d = tl.minimum(tl.maximum((hi - lo) / 15, -FP16_MAX), FP16_MAX)
         inv = _reciprocal(d)
         q_lo = tl.floor((lo_half - lo[:, None]) * inv[:, None] + 0.5)
         q_hi = tl.floor((hi_half - lo[:, None]) * inv[:, None] + 0.5)
@@ -87,7 +87,7 @@ def _quantize_q8_0_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, BLOCK: tl.cons
     mask = rows[:, None] < n_blocks
     x = tl.load(x_ptr + rows[:, None] * BLOCK + cols[None, :], mask=mask, other=0.0)
     finite = tl.sum(((x == x) & (tl.abs(x) != float("inf"))).to(tl.int32), axis=1) == BLOCK
-    d = tl.minimum(tl.max(tl.abs(x), axis=1) / 127, 65504.0)
+    d = tl.minimum(tl.max(tl.abs(x), axis=1) / 127, FP16_MAX)
     scaled = x * _reciprocal(d)[:, None]
     q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5))  # round half away from zero
     q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), -127.0), 127.0).to(tl.int8)
@@ -96,10 +96,10 @@ def _quantize_q8_0_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, BLOCK: tl.cons
 
 
 def quantize(x: torch.Tensor, fmt_name: str) -> QuantizedTensor:
-    """Triton version of `hf_deltakv.quant.quantize` for q4_0, q4_1, q8_0, q4_0_16 and q4_1_16."""
+    """Triton version of `formats.quantize` for q4_0, q4_1, q8_0, q4_0_16 and q4_1_16."""
     fmt = get_format(fmt_name)
     if fmt.name == "f16":
-        raise ValueError("f16 needs no kernel; use hf_deltakv.quant.quantize")
+        raise ValueError("f16 needs no kernel; use hf_deltakv.formats.quantize")
     if not x.is_floating_point():
         raise ValueError(f"expected a floating-point tensor, got {x.dtype}")
     lead, dim, block = x.shape[:-1], x.shape[-1], fmt.block_size
@@ -115,7 +115,7 @@ def quantize(x: torch.Tensor, fmt_name: str) -> QuantizedTensor:
         return QuantizedTensor(
             fmt, dim, codes.view(torch.uint8).reshape(*blocks_shape, block), scales.reshape(blocks_shape)
         )
-    asymmetric = fmt.scale_bytes == 4
+    asymmetric = fmt.kind == Kind.Q4_ASYM
     codes = torch.empty(n_blocks, block // 2, dtype=torch.uint8, device=x.device)
     mins = torch.empty(n_blocks, dtype=torch.float16, device=x.device) if asymmetric else scales
     _quantize_4bit_kernel[grid](flat, codes, scales, mins, n_blocks, ASYMMETRIC=asymmetric, HALF=block // 2, ROWS=ROWS)
@@ -126,57 +126,3 @@ def quantize(x: torch.Tensor, fmt_name: str) -> QuantizedTensor:
         scales.reshape(blocks_shape),
         mins.reshape(blocks_shape) if asymmetric else None,
     )
-
-
-@triton.jit
-def _dequantize_4bit_kernel(
-    codes_ptr, scales_ptr, mins_ptr, out_ptr, n_blocks, ASYMMETRIC: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr
-):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, HALF)
-    mask = rows[:, None] < n_blocks
-    packed = tl.load(codes_ptr + rows[:, None] * HALF + cols[None, :], mask=mask, other=0)
-    d = tl.load(scales_ptr + rows, mask=rows < n_blocks, other=0.0).to(tl.float32)[:, None]
-    lo = (packed & 0x0F).to(tl.float32)
-    hi = (packed >> 4).to(tl.float32)
-    if ASYMMETRIC:
-        m = tl.load(mins_ptr + rows, mask=rows < n_blocks, other=0.0).to(tl.float32)[:, None]
-        lo, hi = lo * d + m, hi * d + m
-    else:
-        lo, hi = (lo - 8) * d, (hi - 8) * d
-    base = out_ptr + rows[:, None] * (2 * HALF) + cols[None, :]
-    tl.store(base, lo, mask=mask)
-    tl.store(base + HALF, hi, mask=mask)
-
-
-@triton.jit
-def _dequantize_q8_0_kernel(codes_ptr, scales_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    mask = rows[:, None] < n_blocks
-    q = tl.load(codes_ptr + rows[:, None] * BLOCK + cols[None, :], mask=mask, other=0).to(tl.float32)
-    d = tl.load(scales_ptr + rows, mask=rows < n_blocks, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows[:, None] * BLOCK + cols[None, :], q * d, mask=mask)
-
-
-def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Triton version of `hf_deltakv.quant.dequantize` for the block formats (not f16)."""
-    fmt = q.fmt
-    if fmt.name == "f16":
-        raise ValueError("f16 needs no kernel; use hf_deltakv.quant.dequantize")
-    block = fmt.block_size
-    lead = q.scales.shape
-    n_blocks = q.scales.numel()
-    out = torch.empty(n_blocks, block, dtype=torch.float32, device=q.codes.device)
-    scales = q.scales.reshape(-1).contiguous()
-    grid = (triton.cdiv(n_blocks, ROWS),)
-    if fmt.bits == 8:
-        codes = q.codes.reshape(n_blocks, block).contiguous().view(torch.int8)
-        _dequantize_q8_0_kernel[grid](codes, scales, out, n_blocks, BLOCK=block, ROWS=ROWS)
-    else:
-        codes = q.codes.reshape(n_blocks, block // 2).contiguous()
-        mins = q.mins.reshape(-1).contiguous() if q.mins is not None else scales
-        _dequantize_4bit_kernel[grid](
-            codes, scales, mins, out, n_blocks, ASYMMETRIC=q.mins is not None, HALF=block // 2, ROWS=ROWS
-        )
-    return out.reshape(*lead[:-1], -1)[..., : q.dim].to(dtype)

@@ -1,5 +1,5 @@
 // Decode attention straight from packed codec storage on the CPU (one fused pass, no full-precision history).
-// Specification: hf_deltakv.kernels.reference.stream_attention (chunked reconstruction + online softmax).
+// Specification: hf_deltakv.ops.reference.stream_attention (chunked reconstruction + online softmax).
 //
 // Work items are (batch, kv head, token range); token ranges start on keyframes, so each item runs the delta
 // codec's closed loop on its own. Per tile of tokens: reconstruct keys (keyframe + deltas or plain blocks), undo the
@@ -21,25 +21,42 @@
 
 namespace {
 
-enum Format : int64_t { F16 = 0, Q4_SYM = 1, Q4_ASYM = 2, Q8 = 3 };
+#if !defined(HFD_KIND_F16) || !defined(HFD_STREAM_PLAIN)
+#error "build through hf_deltakv.ops.cpu: the format and stream ids come from hf_deltakv.ops.layout.constants()"
+#endif
+enum Format : int64_t { F16 = HFD_KIND_F16, Q4_SYM = HFD_KIND_Q4_SYM, Q4_ASYM = HFD_KIND_Q4_ASYM, Q8 = HFD_KIND_Q8 };
 constexpr int TILE = 64;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 
-// Packed rows of one block format: row r of a [B, H, N, ...] tensor is (b * H + h) * N + i.
+// Packed rows of one block format (a `formats.QuantizedTensor`): row r of a [B, H, N, ...] tensor is
+// (b * H + h) * N + i.
 struct Blocks {
+  torch::Tensor codes_t, scales_t, mins_t;  // contiguous copies when needed: the pointers below stay valid
   const uint8_t* codes = nullptr;
   const at::Half* scales = nullptr;
   const at::Half* mins = nullptr;
   int64_t format = F16, block = 1, n_blocks = 0, rows_per_head = 0;
 
   Blocks() = default;
-  Blocks(const torch::Tensor& c, const torch::Tensor& s, const torch::Tensor& m, int64_t fmt, int64_t bs, int64_t dim)
-      : format(fmt), block(bs), n_blocks(dim / bs) {
-    codes = c.numel() ? c.data_ptr<uint8_t>() : nullptr;
-    scales = s.numel() ? s.data_ptr<at::Half>() : nullptr;
-    mins = m.numel() ? m.data_ptr<at::Half>() : nullptr;
-    rows_per_head = c.dim() > 2 ? c.size(2) : 0;
+  // `q` is a QuantizedTensor or None; its fields are read by name.
+  Blocks(const py::object& q, int64_t dim) {
+    if (q.is_none()) return;
+    const py::object fmt = q.attr("fmt");
+    format = fmt.attr("kind").cast<int64_t>();
+    block = fmt.attr("block_size").cast<int64_t>();
+    n_blocks = dim / block;
+    codes_t = q.attr("codes").cast<torch::Tensor>().contiguous();
+    codes = reinterpret_cast<const uint8_t*>(codes_t.data_ptr());
+    rows_per_head = codes_t.dim() > 2 ? codes_t.size(2) : 0;
+    if (!q.attr("scales").is_none()) {
+      scales_t = q.attr("scales").cast<torch::Tensor>().contiguous();
+      scales = scales_t.data_ptr<at::Half>();
+    }
+    if (!q.attr("mins").is_none()) {
+      mins_t = q.attr("mins").cast<torch::Tensor>().contiguous();
+      mins = mins_t.data_ptr<at::Half>();
+    }
   }
 
   int64_t code_bytes() const { return format == Q8 ? block : block / 2; }
@@ -100,12 +117,6 @@ struct Blocks {
   }
 };
 
-// Mean snapshots that exist once a stream holds t tokens (codecs/delta.py: snapshots_at_or_before).
-inline int64_t snapshots(int64_t t) {
-  if (t < 1024) return (t >= 16) + (t >= 64) + (t >= 256);
-  return 4 + (t - 1024) / 2048;
-}
-
 // Position of a token in its keyframe group, advanced token by token.
 struct Cursor {
   int64_t group = 0, offset = 0;
@@ -131,31 +142,53 @@ struct MeanCache {
   }
 };
 
-// One stream (keys or values): plain blocks, or keyframes + closed-loop deltas; optionally Hadamard-rotated.
+// One stream (keys or values), read from an `ops.layout` description by field name: plain blocks, or keyframes
+// + closed-loop deltas; optionally Hadamard-rotated.
 struct Stream {
   bool delta = false, intra = false;
-  int64_t kf = 1, rotation = 0, dim = 0, heads = 0;
+  int64_t kf = 1, rotation = 0, dim = 0, length = 0;
   Blocks plain, keyframes, deltas;
+  torch::Tensor means_t;
   const at::Half* means = nullptr;
   int64_t snapshot_rows = 0;
+  std::vector<int64_t> snapshot_points;
+  int64_t snapshot_last = 0, snapshot_interval = 1;
 
-  Stream(const std::vector<torch::Tensor>& t, const std::vector<int64_t>& meta, int64_t dim_, int64_t heads_)
-      : dim(dim_), heads(heads_) {
-    // meta: kind, rotation, format, block, [keyframe format, keyframe block, kf, intra]
-    delta = meta[0] == 1;
-    rotation = meta[1];
-    if (!delta) {
-      plain = Blocks(t[0], t[1], t[2], meta[2], meta[3], dim);
+  Stream(const py::object& layout, int64_t dim_) : dim(dim_) {
+    const int64_t kind = layout.attr("kind").cast<int64_t>();
+    rotation = layout.attr("rotation").cast<int64_t>();
+    length = layout.attr("length").cast<int64_t>();
+    TORCH_CHECK(layout.attr("dim").cast<int64_t>() == dim, "stream layout of another head dimension");
+    if (kind == HFD_STREAM_PLAIN) {
+      plain = Blocks(layout.attr("blocks"), dim);
       return;
     }
-    deltas = Blocks(t[0], t[1], t[2], meta[2], meta[3], dim);
-    keyframes = Blocks(t[3], t[4], t[5], meta[4], meta[5], dim);
-    kf = meta[6];
-    intra = meta[7] != 0;
-    if (t[6].numel()) {
-      means = t[6].data_ptr<at::Half>();
-      snapshot_rows = t[6].size(2);
+    TORCH_CHECK(kind == HFD_STREAM_DELTA, "the CPU kernel reads plain and delta streams, got kind ", kind);
+    delta = true;
+    deltas = Blocks(layout.attr("deltas"), dim);
+    keyframes = Blocks(layout.attr("keyframes"), dim);
+    kf = layout.attr("kf").cast<int64_t>();
+    intra = layout.attr("intra").cast<bool>();
+    const py::object m = layout.attr("means");
+    if (intra && !m.is_none()) {
+      means_t = m.cast<torch::Tensor>().contiguous();
+      means = means_t.data_ptr<at::Half>();
+      snapshot_rows = means_t.size(2);
     }
+    const py::object schedule = layout.attr("snapshots");
+    snapshot_points = schedule.attr("points").cast<std::vector<int64_t>>();
+    snapshot_last = schedule.attr("last").cast<int64_t>();
+    snapshot_interval = schedule.attr("interval").cast<int64_t>();
+  }
+
+  // Mean snapshots that exist once the stream holds t tokens (ops/layout.py: SnapshotSchedule.count).
+  int64_t snapshots(int64_t t) const {
+    if (t < snapshot_last) {
+      int64_t n = 0;
+      for (const int64_t p : snapshot_points) n += t >= p;
+      return n;
+    }
+    return static_cast<int64_t>(snapshot_points.size()) + 1 + (t - snapshot_last) / snapshot_interval;
   }
 
   // Reconstruct token t of head bh into `out`. `running` carries the closed loop (unrotated basis); `cur` is the
@@ -435,14 +468,14 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
 // fp32 channel-major or empty; mask [B, n, S + L] uint8 or empty (then causal: token u visible to query i when
 // u <= causal_offset + i, u counting the sinks). A row that may attend nothing gets zeros.
 torch::Tensor stream_attention(
-    torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v,
-    std::vector<torch::Tensor> key_state, std::vector<int64_t> key_meta,
-    std::vector<torch::Tensor> value_state, std::vector<int64_t> value_meta,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
-    int64_t n_queries, int64_t causal_offset, double scale, int64_t length, int64_t split) {
+    torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v, py::object key_layout, py::object value_layout,
+    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
+    int64_t split) {
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t sinks = sink_k.size(2);
-  const Stream keys(key_state, key_meta, dim, heads), values(value_state, value_meta, dim, heads);
+  const Stream keys(key_layout, dim), values(value_layout, dim);
+  const int64_t length = keys.length;
+  TORCH_CHECK(values.length == length, "keys and values hold different numbers of tokens");
   Args a;
   a.q = query.data_ptr<float>();
   a.cos = cos.numel() ? cos.data_ptr<float>() : nullptr;

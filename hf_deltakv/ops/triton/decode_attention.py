@@ -1,5 +1,5 @@
 """Triton kernel: decode attention straight from a block-quantized cache (flash-decoding / split-K, GQA-aware).
-Specification: `reference.decode_attention`.
+Specification: `reference.stream_attention` over plain streams (the stream part; sinks are merged by the caller).
 
 Grid: (batch × kv_heads, splits). A program loads the queries of every query head sharing its kv head, walks its
 share of the tokens in tiles, dequantizes the tile's packed keys and values in registers (never writing a
@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant.blocks import QuantizedTensor
+from ...formats import QuantizedTensor
+from ..hadamard import rotate
+from ..layout import PlainStream
 
 
 @triton.jit
@@ -153,25 +155,37 @@ def _codes(q: QuantizedTensor) -> torch.Tensor:
     return q.codes.contiguous().view(torch.int8) if q.fmt.bits == 8 else q.codes.contiguous()
 
 
-def decode_attention(
+def supports(keys: PlainStream, values: PlainStream, rope: bool) -> bool:
+    """Plain streams of one block format (not f16) tiling a power-of-two head dim, keys after RoPE (the kernel
+    applies none; rotated keys are served by rotating the query instead)."""
+    fmt, dim = keys.blocks.fmt, keys.dim
+    if fmt.name != values.blocks.fmt.name or fmt.name == "f16" or dim != values.dim:
+        return False
+    return dim % fmt.block_size == 0 and not dim & (dim - 1) and not rope
+
+
+def plain_attention(
     query: torch.Tensor,
-    keys: QuantizedTensor,
-    values: QuantizedTensor,
+    keys: PlainStream,
+    values: PlainStream,
+    mask: torch.Tensor | None,
+    sinks: int,
     scale: float,
-    mask: torch.Tensor | None = None,
     block_t: int = 16,
     splits: int | None = None,
-) -> torch.Tensor:
-    """Triton version of `reference.decode_attention`."""
-    batch, q_heads, dim = query.shape
-    kv_heads, n_tokens = keys.scales.shape[1], keys.scales.shape[2]
-    if keys.fmt.name != values.fmt.name or keys.fmt.name == "f16":
-        raise ValueError("the fused kernel reads one block format for keys and values (q4_0, q4_1, q8_0, ...)")
-    if keys.dim != dim or dim % keys.fmt.block_size or dim & (dim - 1):
-        raise ValueError(f"head_dim {dim} must be a power of two and a multiple of the block size")
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads do not share {kv_heads} kv heads evenly")
-    group = q_heads // kv_heads
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online-softmax statistics `(acc, max, sum)` of one query per head over plain block-quantized keys and values
+    (spec: `reference.stream_attention` without sinks); `acc` in the values' original basis.
+
+    Args:
+        query: fp32 `[batch, kv_heads, group, dim]`.
+        keys, values: plain streams of one block format (see `supports`).
+        mask: bool `[batch, sinks + tokens]` or None.
+    """
+    batch, kv_heads, group, dim = query.shape
+    n_tokens = keys.length
+    if keys.rotation:  # q . (H^T k) == (q H) . k: rotate the query once instead of every key
+        query = rotate(query)
     g_pad = max(triton.next_power_of_2(group), 1)
     splits = splits or max(1, min(32, triton.cdiv(n_tokens, 256)))
     per_split = triton.cdiv(triton.cdiv(n_tokens, splits), block_t) * block_t
@@ -180,15 +194,16 @@ def decode_attention(
     o = torch.empty(batch * kv_heads, splits, g_pad, dim, dtype=torch.float32, device=device)
     m = torch.empty(batch * kv_heads, splits, g_pad, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)
-    mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else o
+    mask_u8 = mask[:, sinks:].to(torch.uint8).contiguous() if mask is not None else o
+    k, v = keys.blocks, values.blocks
     _decode_attention_kernel[(batch * kv_heads, splits)](
         query.float().contiguous(),
-        _codes(keys),
-        keys.scales.contiguous(),
-        _flat(keys, "mins"),
-        _codes(values),
-        values.scales.contiguous(),
-        _flat(values, "mins"),
+        _codes(k),
+        k.scales.contiguous(),
+        _flat(k, "mins"),
+        _codes(v),
+        v.scales.contiguous(),
+        _flat(v, "mins"),
         mask_u8,
         o,
         m,
@@ -200,12 +215,14 @@ def decode_attention(
         GROUP=group,
         G_PAD=g_pad,
         D=dim,
-        BLOCK=keys.fmt.block_size,
-        BITS=keys.fmt.bits,
-        K_ASYM=keys.mins is not None,
-        V_ASYM=values.mins is not None,
+        BLOCK=k.fmt.block_size,
+        BITS=k.fmt.bits,
+        K_ASYM=k.mins is not None,
+        V_ASYM=v.mins is not None,
         HAS_MASK=mask is not None,
         BLOCK_T=block_t,
     )
-    acc, _, total = combine_splits(o, m, l_sum)
-    return (acc / total[..., None])[:, :group].reshape(batch, q_heads, dim)
+    acc, top, total = (t[:, :group] for t in combine_splits(o, m, l_sum))
+    acc = rotate(acc, inverse=True) if values.rotation else acc
+    shape = (batch, kv_heads, group)
+    return acc.reshape(*shape, dim), top.reshape(shape), total.reshape(shape)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import BlockFormat, get_format
 from .packing import pack_4bit, unpack_4bit
+from .table import BlockFormat, get_format
 
-FP16_MAX = 65504.0
+FP16_MAX = torch.finfo(torch.float16).max  # 65504: fp16's largest finite value, where scales saturate
 
 
 @dataclass
@@ -44,7 +44,7 @@ class QuantizedTensor:
 
     def nbytes(self) -> int:
         """Bytes really held by the packed storage."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return nbytes_of(self.tensors())
 
     def map(self, fn) -> QuantizedTensor:
         """Apply `fn` to every stored tensor (they share their leading dimensions)."""
@@ -59,6 +59,27 @@ class QuantizedTensor:
         joined = [torch.cat(ts, dim=dim) for ts in zip(*(p.tensors() for p in parts), strict=True)]
         names = [n for n in ("codes", "scales", "mins") if getattr(first, n) is not None]
         return QuantizedTensor(first.fmt, first.dim, **dict(zip(names, joined, strict=True)))
+
+
+def nbytes_of(obj) -> int:
+    """Bytes of every tensor in `obj`: a tensor, a `QuantizedTensor`, or nested tuples, lists and dicts of them.
+
+    The one byte counter of the package (codecs, cache layers, the residual cache, and other libraries' caches in
+    evaluation). Tensor subclasses such as optimum-quanto's packed tensors are opened to their inner tensors, so
+    packed codes count at their real size.
+    """
+    if isinstance(obj, QuantizedTensor):
+        return obj.nbytes()
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(nbytes_of(getattr(obj, name)) for name in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(nbytes_of(item) for item in obj)
+    if isinstance(obj, dict):
+        return sum(nbytes_of(item) for item in obj.values())
+    return 0
 
 
 def _check_float(x: torch.Tensor) -> None:

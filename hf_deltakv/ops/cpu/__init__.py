@@ -18,9 +18,13 @@ SOURCES = [Path(__file__).with_name(name) for name in ("stream_attention.cpp", "
 
 def _flag_sets() -> list[tuple[list[str], list[str]]]:
     """Compiler and linker flags to try in turn: optimised for this CPU with OpenMP threads, then without OpenMP
-    (compilers without it, such as Apple's clang), so the kernels still build, single-threaded."""
+    (compilers without it, such as Apple's clang), so the kernels still build, single-threaded. The integers the
+    kernels switch on come from Python as `-D` definitions (part of the build's hash, so a change rebuilds)."""
+    from ..layout import constants
+
     native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
-    return [(["-O3", *native, "-fopenmp"], ["-fopenmp"]), (["-O3", *native], [])]
+    defines = [f"-D{name}={value}" for name, value in sorted(constants().items())]
+    return [(["-O3", *native, "-fopenmp", *defines], ["-fopenmp"]), (["-O3", *native, *defines], [])]
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""Attention over a cache read in chunks, with an online softmax: the reference of every compressed-attention path.
+"""Attention over keys and values that arrive in chunks, with an online softmax: the reference of every kernel that
+attends straight from packed storage.
 
 The history is never materialised in full precision: each chunk of keys and values is reconstructed, scored and
 folded into running (max, sum, weighted values) statistics, then dropped, so the transient memory is one chunk
@@ -7,26 +8,9 @@ whatever the context length (flash-decoding's split-K combine, in plain PyTorch)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 
 CHUNK_TOKENS = 512  # stored tokens reconstructed at a time (the bound on transient memory; a multiple of common kf)
-
-
-def codec_chunks(
-    key_codec, value_codec, cos: torch.Tensor | None, sin: torch.Tensor | None, chunk: int = CHUNK_TOKENS
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """`(start, keys, values)` of a codec-stored stream, `chunk` tokens at a time, keys with RoPE re-applied from
-    `cos`, `sin` (`[batch, tokens, dim]`) when the codec holds them before RoPE."""
-    from ..rope import apply_rope
-
-    for start in range(0, key_codec.length, chunk):
-        end = min(start + chunk, key_codec.length)
-        keys = key_codec.decode_range(start, end)
-        if cos is not None:
-            keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
-        yield start, keys, value_codec.decode_range(start, end)
 
 
 class OnlineSoftmax:
@@ -107,17 +91,3 @@ class OnlineSoftmax:
             return self.query.new_zeros(self.query.shape)
         out = self.acc / self.sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
         return out.reshape(self.batch, self.q_heads, self.n, out.shape[-1])
-
-
-def chunked_attention(
-    query: torch.Tensor,
-    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    scale: float,
-    mask: torch.Tensor | None,
-    kv_length: int,
-) -> torch.Tensor:
-    """softmax(q·kᵀ·scale) v over `chunks` of (keys, values) in key order; see `OnlineSoftmax`."""
-    state = OnlineSoftmax(query, scale, mask, kv_length)
-    for keys, values in chunks:
-        state.add(keys, values)
-    return state.result()

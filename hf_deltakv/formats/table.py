@@ -1,8 +1,22 @@
-"""Block formats declared as data: what a format costs is checked, not assumed."""
+"""Block formats declared as data: what a format costs is checked, not assumed.
+
+This table is the one definition of every format, for Python and for the kernels: each format's `kind` is the
+integer the C++ and Triton kernels switch on (handed to them from `KINDS`, never written twice).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Kind(IntEnum):
+    """How a kernel decodes a block: the arithmetic family of a format (one id per family, shared with C++)."""
+
+    F16 = 0  # raw fp16 values
+    Q4_SYM = 1  # 4-bit codes offset by 8, one fp16 scale (q4_0 family)
+    Q4_ASYM = 2  # 4-bit codes, fp16 scale and min (q4_1 family)
+    Q8 = 3  # int8 codes, one fp16 scale (q8_0)
 
 
 @dataclass(frozen=True)
@@ -11,6 +25,7 @@ class BlockFormat:
 
     Args:
         name: llama.cpp's name (`q4_0`, `q4_1`, `q8_0`, `f16`).
+        kind: the arithmetic family (what kernels switch on).
         bits: bits per code.
         block_size: elements sharing one scale.
         scale_bytes: bytes of fp16 metadata per block (scale, and min for asymmetric formats).
@@ -18,6 +33,7 @@ class BlockFormat:
     """
 
     name: str
+    kind: Kind
     bits: int
     block_size: int
     scale_bytes: int
@@ -43,13 +59,13 @@ class BlockFormat:
 
 
 FORMATS: dict[str, BlockFormat] = {
-    "q4_0": BlockFormat("q4_0", bits=4, block_size=32, scale_bytes=2, bytes_per_block=18),
-    "q4_1": BlockFormat("q4_1", bits=4, block_size=32, scale_bytes=4, bytes_per_block=20),
-    "q8_0": BlockFormat("q8_0", bits=8, block_size=32, scale_bytes=2, bytes_per_block=34),
-    "f16": BlockFormat("f16", bits=16, block_size=1, scale_bytes=0, bytes_per_block=2),
+    "q4_0": BlockFormat("q4_0", Kind.Q4_SYM, bits=4, block_size=32, scale_bytes=2, bytes_per_block=18),
+    "q4_1": BlockFormat("q4_1", Kind.Q4_ASYM, bits=4, block_size=32, scale_bytes=4, bytes_per_block=20),
+    "q8_0": BlockFormat("q8_0", Kind.Q8, bits=8, block_size=32, scale_bytes=2, bytes_per_block=34),
+    "f16": BlockFormat("f16", Kind.F16, bits=16, block_size=1, scale_bytes=0, bytes_per_block=2),
     # Not in llama.cpp: the same arithmetic over blocks of 16, for a finer scale at +0.5 bit per element.
-    "q4_0_16": BlockFormat("q4_0_16", bits=4, block_size=16, scale_bytes=2, bytes_per_block=10),
-    "q4_1_16": BlockFormat("q4_1_16", bits=4, block_size=16, scale_bytes=4, bytes_per_block=12),
+    "q4_0_16": BlockFormat("q4_0_16", Kind.Q4_SYM, bits=4, block_size=16, scale_bytes=2, bytes_per_block=10),
+    "q4_1_16": BlockFormat("q4_1_16", Kind.Q4_ASYM, bits=4, block_size=16, scale_bytes=4, bytes_per_block=12),
 }
 
 

@@ -10,23 +10,25 @@ from pathlib import Path
 
 import torch
 
-from ..registry import build_cache
-from .perplexity import PROTOCOLS, perplexity, token_windows
-from .texts import load_text
+from .eval.perplexity import CHUNK, PROTOCOLS, perplexity, token_windows
+from .eval.texts import DEFAULT_TEXT, load_text
+from .registry import build_cache
 
 DEFAULT_CACHES = ("fp16", "q8_0", "q4_0", "q4_1", "q4_0-rot", "kivi", "kivi-pre-rope", "delta")
+DEFAULT_CTX = (1024,)
+DEFAULT_WINDOWS = 4
 
 
 def compare_caches(
     model,
     tokenizer,
-    text: str = "python-docs",
+    text: str = DEFAULT_TEXT,
     caches: tuple[str, ...] = DEFAULT_CACHES,
-    ctx: tuple[int, ...] = (1024,),
-    windows: int = 4,
+    ctx: tuple[int, ...] = DEFAULT_CTX,
+    windows: int = DEFAULT_WINDOWS,
     progress: bool = True,
-    protocols: tuple[str, ...] = ("one-forward",),
-    chunk: int = 16,
+    protocols: tuple[str, ...] = PROTOCOLS,
+    chunk: int = CHUNK,
 ) -> dict:
     """Perplexity of every cache spec at every context length under every protocol; Δ is relative to the first cache.
 

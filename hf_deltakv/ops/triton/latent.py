@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant.bitpack import GROUP
+from ...formats.bitpack import GROUP
 
 
 @triton.jit

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_deltakv import kernels
-from hf_deltakv.kernels.cpu import extension
-from hf_deltakv.quant import QuantizedTensor
+from hf_deltakv import ops
+from hf_deltakv.formats import QuantizedTensor
+from hf_deltakv.ops.cpu import extension
 
 FORMATS = ["q4_0", "q4_0_16", "q4_1", "q4_1_16", "q8_0"]
 values = st.floats(-1e3, 1e3, allow_nan=False, width=32)
@@ -34,7 +34,7 @@ def test_extension_builds():
 )
 def test_quantize_kernel_is_byte_identical(x, fmt):
     t = torch.from_numpy(x + np.float32(0.0))
-    _same_bytes(kernels.quantize(t, fmt), kernels.reference.quantize(t, fmt))
+    _same_bytes(ops.quantize(t, fmt), ops.reference.quantize(t, fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -45,7 +45,7 @@ def test_quantize_kernel_on_edge_blocks(fmt):
     x[3] = torch.linspace(-5, 5, 32)  # ties in |x|: the first maximum wins
     x[4, ::2] = -2.0
     x[5] = 7.5
-    _same_bytes(kernels.quantize(x, fmt), kernels.reference.quantize(x, fmt))
+    _same_bytes(ops.quantize(x, fmt), ops.reference.quantize(x, fmt))
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,14 +56,14 @@ def test_code_delta_kernel_is_byte_identical(seed, fmt, intra, spread):
     base = torch.randn(3, 4, 64, generator=g) * 2
     long_term = base + torch.randn(3, 4, 64, generator=g) * spread
     x = base + torch.randn(3, 4, 64, generator=g) * spread * torch.rand(3, 4, 1, generator=g)
-    got, got_recon = kernels.code_delta(x, base, long_term, fmt, intra)
-    want, want_recon = kernels.reference.code_delta(x, base, long_term, fmt, intra)
+    got, got_recon = ops.code_delta(x, base, long_term, fmt, intra)
+    want, want_recon = ops.reference.code_delta(x, base, long_term, fmt, intra)
     _same_bytes(got, want)
     assert torch.equal(got_recon, want_recon)
 
 
 def test_forced_reference_skips_the_encode_kernels(monkeypatch):
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
-    monkeypatch.setattr("hf_deltakv.kernels.cpu.encode.quantize", None)  # would raise if called
+    monkeypatch.setattr("hf_deltakv.ops.cpu.encode.quantize", None)  # would raise if called
     x = torch.randn(2, 32)
-    _same_bytes(kernels.quantize(x, "q4_0"), kernels.reference.quantize(x, "q4_0"))
+    _same_bytes(ops.quantize(x, "q4_0"), ops.reference.quantize(x, "q4_0"))

@@ -1,0 +1,155 @@
+"""Compute ops: PyTorch references (the specification), C++ kernels for the CPU, Triton kernels for GPUs.
+
+This is the one dispatch point. On the CPU, ops with a compiled kernel use it (`cpu/`, built on first use); on
+CUDA (NVIDIA, and AMD through ROCm builds of PyTorch, which also report `cuda` devices) Triton kernels run when
+Triton is installed; everything else runs the reference (`reference.py`). `HF_DELTAKV_KERNELS=reference` forces the
+reference everywhere. Ops take plain tensors and the stream descriptions of `layout.py`, never codec objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from ..formats import QuantizedTensor, get_format
+from . import reference
+from .layout import ChannelStream, DeltaStream, PlainStream, SnapshotSchedule, StreamKind, StreamLayout
+from .reference import decode_stream, skip_matvec
+
+__all__ = [
+    "ChannelStream",
+    "DeltaStream",
+    "PlainStream",
+    "SnapshotSchedule",
+    "StreamKind",
+    "StreamLayout",
+    "code_delta",
+    "decode_stream",
+    "delta_encode_groups",
+    "dequantize_latent",
+    "quantize",
+    "reference",
+    "skip_matvec",
+    "stream_attention",
+    "triton_available",
+    "use_triton",
+]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton is importable (looked up once: the dispatch runs on every decode step)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def forced_reference() -> bool:
+    """`HF_DELTAKV_KERNELS=reference`: every op runs its PyTorch reference."""
+    return os.environ.get("HF_DELTAKV_KERNELS", "").lower() == "reference"
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether ops on `device` run as Triton kernels (see module docstring)."""
+    return not forced_reference() and torch.device(device).type == "cuda" and triton_available()
+
+
+def _cpu_extension(device: torch.device):
+    """The compiled CPU kernels when `device` is the CPU and they are built (or can be), else None."""
+    if device.type != "cpu" or forced_reference():
+        return None
+    from .cpu import extension
+
+    return extension()
+
+
+def _encodes(fmt: str, dim: int) -> bool:
+    """Formats the encode kernels serve (not f16), with blocks tiling `dim` exactly."""
+    return fmt != "f16" and dim % get_format(fmt).block_size == 0
+
+
+def quantize(x: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU (meant for a few rows: one decoded
+    token), the Triton kernel on GPUs, the reference otherwise; the same bytes on every path (tested)."""
+    if not _encodes(fmt, x.shape[-1]):
+        return reference.quantize(x, fmt)
+    if use_triton(x.device):
+        from .triton.quantize import quantize as kernel
+
+        return kernel(x, fmt)
+    compiled = _cpu_extension(x.device)
+    if compiled is not None:
+        from .cpu.encode import quantize as kernel
+
+        return kernel(x, fmt, compiled)
+    return reference.quantize(x, fmt)
+
+
+def code_delta(x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool):
+    """`reference.code_delta` (one closed-loop step of the delta codec), dispatched like `quantize` on the CPU."""
+    compiled = _cpu_extension(x.device) if _encodes(fmt, x.shape[-1]) else None
+    if compiled is not None:
+        from .cpu.encode import code_delta as kernel
+
+        return kernel(x, base, long_term, fmt, intra, compiled)
+    return reference.code_delta(x, base, long_term, fmt, intra)
+
+
+def stream_attention(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    keys: StreamLayout,
+    values: StreamLayout,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+) -> torch.Tensor:
+    """`reference.stream_attention` (attention read straight from a cache layer's packed storage), dispatched.
+
+    On the CPU the compiled C++ kernel (`cpu/stream_attention.cpp`) serves plain and delta streams in q4_0, q4_1, q8_0,
+    f16 and their 16-wide variants, rotated or not, keys and values of one width. On CUDA/ROCm, one query per head:
+    the Triton kernel `triton/delta_attention.py` over delta keys and plain values, `triton/decode_attention.py` over
+    plain block-quantized keys and values. Anything else goes to the chunked reference.
+    """
+    args = (cos, sin, mask, n_queries, causal_offset, scale)
+    if use_triton(query.device) and n_queries == 1:
+        from .triton import stream_attention as triton_attention
+
+        out = triton_attention(query, sink_keys, sink_values, keys, values, *args)
+        if out is not None:
+            return out
+    dim, value_dim = query.shape[-1], sink_values.shape[-1]
+    if value_dim == dim and dim in (32, 64, 128, 256):
+        compiled = _cpu_extension(query.device)
+        if compiled is not None:
+            from .cpu.stream_attention import stream_attention as kernel
+            from .cpu.stream_attention import supports
+
+            if supports(keys) and supports(values):
+                return kernel(query, sink_keys, sink_values, keys, values, *args, compiled)
+    return reference.stream_attention(query, sink_keys, sink_values, keys, values, *args)
+
+
+def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
+    """`reference.dequantize_latent` (residual reconstruction: packed groups to the latent), dispatched."""
+    if use_triton(packed.device):
+        from .triton.latent import dequantize_latent as kernel
+
+        return kernel(packed, scales, bits)
+    return reference.dequantize_latent(packed, scales, bits)
+
+
+def delta_encode_groups(
+    x: torch.Tensor, long_term: torch.Tensor | None, keyframes: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.delta_encode_groups` (closed-loop delta coding of whole keyframe groups), dispatched."""
+    if use_triton(x.device):
+        from .triton.delta_encode import delta_encode_groups as kernel
+
+        return kernel(x, long_term, keyframes, block)
+    return reference.delta_encode_groups(x, long_term, keyframes, block)

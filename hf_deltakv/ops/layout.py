@@ -1,0 +1,110 @@
+"""What a kernel is told about one packed stream: a small dataclass per storage scheme, named fields only.
+
+Codecs own encoding and their state; each describes that state as one of these (`StreamCodec.layout()`), and every
+op (the PyTorch references, the C++ and Triton kernels) reads only these: ops never see a codec. The C++ kernels read
+the fields by name, and the integers they switch on (`StreamKind`, `formats.Kind`) are handed to them from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from ..formats import QuantizedTensor
+
+
+class StreamKind(IntEnum):
+    """The storage scheme of a stream (what the C++ kernel switches on)."""
+
+    PLAIN = 0
+    DELTA = 1
+    CHANNEL = 2
+
+
+@dataclass(frozen=True)
+class SnapshotSchedule:
+    """When a delta stream snapshots its running mean: at each of `points`, then at `last`, then every `interval`
+    tokens (the mean settles fast, so early snapshots are dense). A token at stream position t is coded against the
+    newest snapshot taken when the stream held at most t tokens (causal)."""
+
+    points: tuple[int, ...] = (16, 64, 256)
+    last: int = 1024
+    interval: int = 2048
+
+    def count(self, t: int) -> int:
+        """How many snapshots exist once the stream holds `t` tokens (Python integers: the per-token path)."""
+        if t < self.last:
+            return sum(t >= point for point in self.points)
+        return len(self.points) + 1 + (t - self.last) // self.interval
+
+    def counts(self, t: torch.Tensor) -> torch.Tensor:
+        """`count` of every position in `t` (any integer tensor)."""
+        t = t.long()
+        growing = sum((t >= point).long() for point in self.points)
+        later = len(self.points) + 1 + (t - self.last) // self.interval
+        return torch.where(t < self.last, growing, later)
+
+
+SNAPSHOTS = SnapshotSchedule()
+
+
+@dataclass(frozen=True)
+class PlainStream:
+    """Every token quantized on its own: `blocks` `[batch, heads, length, ...]` in one block format."""
+
+    blocks: QuantizedTensor
+    dim: int
+    length: int
+    rotation: int = 0  # Hadamard block size the stream was rotated with (0: not rotated)
+    kind: StreamKind = StreamKind.PLAIN
+
+
+@dataclass(frozen=True)
+class DeltaStream:
+    """Keyframes plus closed-loop deltas (`codecs.delta`).
+
+    keyframes: `[batch, heads, groups, ...]`, one per `kf` tokens. deltas: `[batch, heads, length - groups, ...]`, the
+    other tokens in order (None when there are none); with `intra`, a block whose scale has its lowest mantissa bit
+    set is coded against the long-term reference (the mean snapshot, fp16 `means [batch, heads, snapshots, dim]`, or
+    zero when `means` is None) instead of the previous token (`reference="previous"`) or the keyframe.
+    """
+
+    keyframes: QuantizedTensor
+    deltas: QuantizedTensor | None
+    means: torch.Tensor | None
+    kf: int
+    reference: str
+    intra: bool
+    dim: int
+    length: int
+    snapshots: SnapshotSchedule = SNAPSHOTS
+    rotation: int = 0
+    kind: StreamKind = StreamKind.DELTA
+
+
+@dataclass(frozen=True)
+class ChannelStream:
+    """KIVI-style: each channel quantized along the tokens of a group. groups: `[batch, heads, n_groups, dim, ...]`
+    (one block of `group` tokens per channel), tail: fp16 `[batch, heads, < group, dim]` not yet grouped."""
+
+    groups: QuantizedTensor | None
+    tail: torch.Tensor
+    group: int
+    dim: int
+    length: int
+    rotation: int = 0
+    kind: StreamKind = StreamKind.CHANNEL
+
+
+StreamLayout = PlainStream | DeltaStream | ChannelStream
+
+
+def constants() -> dict[str, int]:
+    """The integers the C++ kernels switch on, by macro name (handed to the compiler as `-D` definitions)."""
+    from ..formats import Kind
+
+    table = {f"HFD_KIND_{k.name}": int(k) for k in Kind}
+    table.update({f"HFD_STREAM_{k.name}": int(k) for k in StreamKind})
+    return table

@@ -1,0 +1,336 @@
+"""PyTorch reference implementations: the specification of every op a kernel may replace.
+
+Each function here is what a C++ or Triton kernel of the same name must compute (tests compare the two on odd
+shapes). Ops take plain tensors and the stream descriptions of `ops.layout`, never codec objects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import QuantizedTensor, dequantize, get_format, quantize
+from ..rope import apply_rope
+from .hadamard import rotate
+from .layout import ChannelStream, DeltaStream, PlainStream, StreamLayout
+from .online_softmax import CHUNK_TOKENS, OnlineSoftmax
+
+__all__ = [
+    "code_delta",
+    "decode_stream",
+    "delta_encode_groups",
+    "dequantize",
+    "dequantize_latent",
+    "long_term_reference",
+    "quantize",
+    "segmented_prefix_sum",
+    "skip_matvec",
+    "stream_attention",
+]
+
+
+# --- the delta codec's closed-loop step -------------------------------------------------------------------------
+
+
+def with_flags(q: QuantizedTensor, flags: torch.Tensor) -> QuantizedTensor:
+    """Store one flag per block in the scale's lowest mantissa bit (a relative change of the scale of <= 2**-10)."""
+    bits = q.scales.view(torch.int16)
+    bits = (bits & ~1) | flags.to(torch.int16)
+    return QuantizedTensor(q.fmt, q.dim, q.codes, bits.view(torch.float16), q.mins)
+
+
+def block_flags(q: QuantizedTensor) -> torch.Tensor:
+    """The flag of every block (see `with_flags`)."""
+    return (q.scales.view(torch.int16) & 1).bool()
+
+
+def _select_blocks(flags: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
+    """Blockwise choice: `a` where `flags`, else `b` (same format and shape)."""
+
+    def pick(x: torch.Tensor | None, y: torch.Tensor | None, f: torch.Tensor) -> torch.Tensor | None:
+        return None if x is None else torch.where(f, x, y)
+
+    return QuantizedTensor(
+        a.fmt,
+        a.dim,
+        pick(a.codes, b.codes, flags.unsqueeze(-1)),
+        pick(a.scales, b.scales, flags),
+        pick(a.mins, b.mins, flags),
+    )
+
+
+def _block_sse(recon: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+    """Squared error per block, in fp64: exact squares and a sum whose order barely matters, so that kernels summing
+    in another order make the same inter/intra choices."""
+    pad = (-x.shape[-1]) % block
+    err = torch.nn.functional.pad(recon - x, (0, pad)).double() ** 2
+    return err.reshape(*err.shape[:-1], -1, block).sum(-1)
+
+
+def expand_blocks(flags: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+    """Per-block flags `[..., blocks]` repeated over their channels, `[..., dim]`."""
+    return flags.repeat_interleave(block, dim=-1)[..., :dim]
+
+
+def code_delta(
+    x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool
+) -> tuple[QuantizedTensor, torch.Tensor]:
+    """One closed-loop step of the delta codec: `x - base` quantized in `fmt`, and with `intra` per block the better
+    (smaller squared error, summed in fp64) of that and `x - long_term`, flagged in the scale's lowest bit. Returns
+    the stored blocks and the reconstruction the decoder computes from them."""
+    inter = quantize(x - base, fmt)
+    inter_rec = base + dequantize(inter)
+    if not intra:
+        return inter, inter_rec
+    coded_intra = quantize(x - long_term, fmt)
+    intra_rec = long_term + dequantize(coded_intra)
+    block = get_format(fmt).block_size
+    use_intra = _block_sse(intra_rec, x, block) < _block_sse(inter_rec, x, block)
+    chosen = with_flags(_select_blocks(use_intra, coded_intra, inter), use_intra)
+    # Reconstruct from what is stored (the flagged scale), exactly as the decoder will.
+    values = dequantize(chosen)
+    flags = expand_blocks(block_flags(chosen), block, x.shape[-1])
+    return chosen, torch.where(flags, long_term + values, base + values)
+
+
+def delta_encode_groups(
+    x: torch.Tensor, long_term: torch.Tensor | None, keyframes: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-loop delta coding of whole keyframe groups (what the delta codec does on a prefill), q4_0 arithmetic.
+
+    Args:
+        x: fp32 `[streams, groups, kf, dim]`; offset 0 of each group is its keyframe (not coded here).
+        long_term: fp32 like `x`: the intra reference of every token, or None for inter-only coding.
+        keyframes: fp32 `[streams, groups, dim]`: the keyframes' reconstructions, where each group's loop starts.
+        block: channels per block (16: `q4_0_16`, 32: `q4_0`).
+
+    Returns:
+        codes `uint8 [streams, groups, kf - 1, dim / block, block / 2]`, scales `float16 [..., dim / block]` (intra
+        flag in the lowest mantissa bit) and the reconstruction of every token `[streams, groups, kf, dim]`.
+    """
+    fmt = {16: "q4_0_16", 32: "q4_0"}[block]
+    recon = [keyframes.float()]
+    streams, groups, kf, dim = x.shape
+    codes = x.new_empty(streams, groups, kf - 1, dim // block, block // 2, dtype=torch.uint8)
+    scales = x.new_empty(streams, groups, kf - 1, dim // block, dtype=torch.float16)
+    for offset in range(1, kf):
+        reference = long_term[:, :, offset] if long_term is not None else recon[-1]
+        q, rec = code_delta(x[:, :, offset], recon[-1], reference, fmt, long_term is not None)
+        codes[:, :, offset - 1], scales[:, :, offset - 1] = q.codes, q.scales
+        recon.append(rec)
+    return codes, scales, torch.stack(recon, dim=2)
+
+
+def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -> torch.Tensor:
+    """Running sum of `values` along `dim` that restarts wherever `resets` is True.
+
+    Args:
+        values: fp32 tensor.
+        resets: bool tensor broadcastable to `values`; position 0 along `dim` is always a restart.
+
+    Returns:
+        `out[i] = values[r] + ... + values[i]` with `r` the last restart at or before `i`.
+    """
+    resets = resets.expand_as(values).clone()
+    resets.narrow(dim, 0, 1).fill_(True)
+    shape = [1] * values.dim()
+    shape[dim] = values.shape[dim]
+    offsets = torch.arange(values.shape[dim], device=values.device).view(shape)
+    last_reset = torch.where(resets, offsets, torch.zeros_like(offsets)).cummax(dim=dim).values
+    total = values.cumsum(dim=dim)
+    return total - (total.gather(dim, last_reset) - values.gather(dim, last_reset))
+
+
+# --- decoding stored streams --------------------------------------------------------------------------------------
+
+
+def check_range(start: int, end: int, length: int) -> None:
+    if not 0 <= start <= end <= length:
+        raise ValueError(f"token range [{start}, {end}) is outside the {length} stored tokens")
+
+
+def slice_seq(q: QuantizedTensor | torch.Tensor, start: int, end: int) -> QuantizedTensor | torch.Tensor:
+    """Rows `start:end` along the sequence dimension (2) of a tensor or `QuantizedTensor`."""
+    if isinstance(q, QuantizedTensor):
+        return q.map(lambda t: t[:, :, start:end])
+    return q[:, :, start:end]
+
+
+def long_term_reference(
+    means: torch.Tensor | None, snapshots, positions: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The long-term (intra) reference of the tokens at stream `positions`: the newest mean snapshot taken before
+    each (zeros where none exists yet, or without `means`). fp32 `[batch, heads, n, dim]` (`shape` is the
+    `[batch, heads, _, dim]` of the stream)."""
+    batch, heads, _, dim = shape
+    device = positions.device
+    if means is None or not positions.numel():
+        return torch.zeros(batch, heads, positions.numel(), dim, device=device)
+    index = (snapshots.counts(positions) - 1).clamp(max=means.shape[2] - 1)
+    first, last = int(index[0]), int(index[-1])
+    if first == last:  # one snapshot for all (a decoded token's group): a broadcast slice
+        if first < 0:
+            return torch.zeros(batch, heads, positions.numel(), dim, device=device)
+        return means[:, :, first : first + 1].float().expand(batch, heads, positions.numel(), dim)
+    table = torch.cat([torch.zeros_like(means[:, :, :1]), means], dim=2).float()
+    return table.index_select(2, (index + 1).to(table.device))
+
+
+def _delta_positions(count: int, kf: int, device: torch.device) -> torch.Tensor:
+    """Stream positions of the first `count` non-keyframe tokens (offsets 1..kf-1 of each group)."""
+    index = torch.arange(count, device=device)
+    return (index // (kf - 1)) * kf + index % (kf - 1) + 1
+
+
+def decode_delta(stream: DeltaStream, start: int, end: int) -> torch.Tensor:
+    """Tokens `start:end` of a delta stream; only the keyframe groups overlapping the range are decoded."""
+    kf = stream.kf
+    first, last = start // kf, -(-end // kf)
+    keys = dequantize(slice_seq(stream.keyframes, first, last))
+    batch, heads, groups, dim = keys.shape
+    values = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=keys.device)
+    values.view(batch, heads, groups, kf, dim)[:, :, :, 0] = keys
+    flags = None
+    if stream.deltas is not None:
+        stored = slice_seq(stream.deltas, first * (kf - 1), last * (kf - 1))
+        deltas = dequantize(stored)
+        position = _delta_positions(deltas.shape[2], kf, keys.device)  # from the first group's keyframe
+        if stream.intra:
+            token_flags = expand_blocks(block_flags(stored), stored.fmt.block_size, dim)
+            if stream.means is not None:
+                long_term = long_term_reference(stream.means, stream.snapshots, position + first * kf, keys.shape)
+                deltas = deltas + token_flags * long_term
+            flags = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.bool, device=keys.device)
+            flags[:, :, position] = token_flags
+            flags = flags.view(batch, heads, groups, kf, dim)
+        values[:, :, position] = deltas
+    grouped = values.view(batch, heads, groups, kf, dim)
+    if stream.reference == "keyframe":
+        recon = grouped + grouped[:, :, :, :1]
+        recon[:, :, :, 0] = grouped[:, :, :, 0]
+        recon = recon if flags is None else torch.where(flags, grouped, recon)
+    elif flags is None:
+        recon = grouped.cumsum(dim=3)
+    else:  # segmented prefix sum: every intra block (and the keyframe) restarts the running sum of its channels
+        recon = segmented_prefix_sum(grouped, flags, dim=3)
+    return recon.reshape(batch, heads, groups * kf, dim)[:, :, start - first * kf : end - first * kf]
+
+
+def decode_channel(stream: ChannelStream, start: int, end: int) -> torch.Tensor:
+    """Tokens `start:end` of a KIVI-style stream (only the groups overlapping the range are dequantized)."""
+    group = stream.group
+    coded = stream.length - stream.tail.shape[2]
+    first, last = start // group, min(-(-end // group), coded // group)
+    parts = []
+    if last > first:
+        blocks = dequantize(slice_seq(stream.groups, first, last))  # [B, H, G, D, group]
+        batch, heads, groups, dim, _ = blocks.shape
+        parts.append(blocks.transpose(3, 4).reshape(batch, heads, groups * group, dim))
+    parts.append(stream.tail.float())
+    return torch.cat(parts, dim=2)[:, :, start - first * group : end - first * group]
+
+
+def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
+    """Reconstruct tokens `start <= t < end` of a stored stream, `[batch, heads, end - start, dim]` in fp32, in the
+    original basis (a rotated stream is rotated back)."""
+    check_range(start, end, stream.length)
+    if isinstance(stream, PlainStream):
+        out = dequantize(slice_seq(stream.blocks, start, end))
+    elif isinstance(stream, DeltaStream):
+        out = decode_delta(stream, start, end)
+    elif isinstance(stream, ChannelStream):
+        out = decode_channel(stream, start, end)
+    else:
+        raise TypeError(f"not a stream layout: {type(stream).__name__}")
+    return rotate(out, inverse=True) if stream.rotation else out
+
+
+# --- attention straight from storage ------------------------------------------------------------------------------
+
+
+def stream_attention(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    keys: StreamLayout,
+    values: StreamLayout,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+    chunk: int = CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Attention over a cache layer's raw sink tokens followed by its stored stream, read chunk by chunk.
+
+    Args:
+        query: fp32 `[batch, kv_heads, group * n_queries, dim]`; row `g * n_queries + i` is query `i` of the kv
+            head's `g`-th query head.
+        sink_keys, sink_values: `[batch, kv_heads, sinks, dim]` raw tokens (keys with RoPE); sinks may be 0.
+        keys, values: the stored streams (same length; keys before RoPE when `cos` is given).
+        cos, sin: fp32 `[batch, stream tokens, dim]`: RoPE of every stored token, or None.
+        mask: bool `[batch, n_queries, sinks + stream tokens]`, True where query `i` may attend; None: causal, token
+            `u` (sinks counted) visible to query `i` when `u <= causal_offset + i`.
+        scale: softmax scale.
+        chunk: stream tokens reconstructed at a time (the bound on transient memory).
+
+    Returns:
+        fp32 `[batch, kv_heads, rows, value_dim]`; a row that may attend no token gets zeros.
+    """
+    batch, heads, rows, dim = query.shape
+    sinks = sink_keys.shape[2]
+    grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
+    state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + n_queries)
+    if sinks:
+        state.add(sink_keys, sink_values)
+    for start in range(0, keys.length, chunk):
+        end = min(start + chunk, keys.length)
+        chunk_keys = decode_stream(keys, start, end)
+        if cos is not None:
+            chunk_keys = apply_rope(chunk_keys, cos[:, None, start:end], sin[:, None, start:end])
+        state.add(chunk_keys, decode_stream(values, start, end), start=sinks + start)
+    return state.result().reshape(batch, heads, rows, -1)
+
+
+# --- the residual cache and weight skip ---------------------------------------------------------------------------
+
+
+def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
+    """The residual cache's latent from its packed groups (the first step of residual reconstruction).
+
+    Args:
+        packed: `uint8 [..., code_bytes]`: group after group, each of `GROUP` codes packed at its bit depth.
+        scales: `float16 [..., kept groups]`: one scale per group whose depth is not 0.
+        bits: bit depth of every latent group (0 = dropped, decodes as zeros).
+
+    Returns:
+        fp32 `[..., len(bits) * GROUP]`.
+    """
+    from ..formats.bitpack import GROUP, dequantize_group, unpack_bits
+
+    lead = packed.shape[:-1]
+    latent = torch.zeros(*lead, len(bits), GROUP, device=packed.device)
+    offset = kept = 0
+    for g, b in enumerate(bits):
+        if b:
+            nbytes = GROUP * b // 8
+            codes = unpack_bits(packed[..., offset : offset + nbytes], b)
+            latent[..., g, :] = dequantize_group(codes, scales[..., kept], b)
+            offset, kept = offset + nbytes, kept + 1
+    return latent.reshape(*lead, len(bits) * GROUP)
+
+
+def skip_matvec(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """`x @ weight.T + bias` with the input blocks where `keep` [blocks] is False left out.
+
+    Args:
+        x: [batch, in] activations.
+        weight: [out, in] (any strides).
+        bias: [out] or None.
+        keep: bool [ceil(in / block_size)]: which blocks of `block_size` input features to compute.
+    """
+    columns = keep.repeat_interleave(block_size)[: weight.shape[1]]
+    out = x[:, columns].to(weight.dtype) @ weight[:, columns].T
+    return out if bias is None else out + bias

@@ -1,0 +1,51 @@
+"""Triton kernels, one op per file; each computes what the function of the same name in `ops/reference.py`
+specifies. Importing a file here needs Triton (an optional extra); `ops.use_triton` decides when to."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import DeltaStream, PlainStream, StreamLayout
+from ..online_softmax import OnlineSoftmax
+
+
+def stream_attention(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    keys: StreamLayout,
+    values: StreamLayout,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """`reference.stream_attention` for one query per head through the Triton kernel that reads these streams, the
+    sink tokens merged by the reference's online softmax; None when no kernel reads them."""
+    if n_queries != 1 or not isinstance(values, PlainStream):
+        return None
+    if isinstance(keys, DeltaStream):
+        from .delta_attention import delta_attention, supports
+
+        if not supports(keys, values):
+            return None
+        run = lambda q, m: delta_attention(q, keys, values, cos, sin, m, sinks, scale)  # noqa: E731
+    elif isinstance(keys, PlainStream):
+        from .decode_attention import plain_attention, supports
+
+        if not supports(keys, values, cos is not None):
+            return None
+        run = lambda q, m: plain_attention(q, keys, values, m, sinks, scale)  # noqa: E731
+    else:
+        return None
+    batch, heads, group, dim = query.shape
+    sinks = sink_keys.shape[2]
+    grouped = query.reshape(batch, heads * group, 1, dim)
+    state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + 1)
+    if sinks:
+        state.add(sink_keys, sink_values)
+    acc, maximum, total = run(query, mask[:, 0] if mask is not None else None)
+    state.merge(acc[:, :, :, None], maximum[..., None], total[..., None])
+    return state.result().reshape(batch, heads, group, dim)
