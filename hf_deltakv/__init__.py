@@ -1,6 +1,5 @@
 """hf_deltakv: compressed KV caches for HuggingFace transformers, with real packed storage."""
 
-from .attention import compressed_attention
 from .cache import CompressedKVCache, DeltaKVCache, KIVIKVCache, QuantizedKVCache
 from .residual.cache import ResidualKVCache
 from .weight_skip import enable_weight_skip
@@ -11,7 +10,6 @@ __all__ = [
     "KIVIKVCache",
     "QuantizedKVCache",
     "ResidualKVCache",
-    "compressed_attention",
     "enable_weight_skip",
 ]
 __version__ = "0.1.0"

@@ -1,13 +1,16 @@
-"""Attention read straight from the compressed cache: the `"hf_deltakv"` attention implementation, the chunked
-reference and the compiled CPU kernel (`ops.stream_attention`), on tiny random models."""
+"""Attention read straight from the compressed cache: `StoredKV` (what `update` returns) serving SDPA from the
+packed storage by default, the chunked reference and the compiled CPU kernel (`ops.stream_attention`), on tiny
+random models."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, compressed_attention, ops
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, ops
+from hf_deltakv.attention import StoredKV
 from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
+from hf_deltakv.layers import StreamLayer
 from hf_deltakv.ops.cpu import extension
 from hf_deltakv.ops.cpu.stream_attention import supports
 from hf_deltakv.ops.online_softmax import OnlineSoftmax
@@ -29,103 +32,112 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _decoded_only(monkeypatch) -> None:
+    """Make every layer decline SDPA, so attention runs on the decoded history (the reference path)."""
+    monkeypatch.setattr(StreamLayer, "sdpa", lambda self, *args: None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", CACHES)
-@pytest.mark.parametrize("n, masked", [(1, False), (4, False), (3, True)])
-def test_attend_equals_sdpa_over_the_reconstruction(arch, name, n, masked):
-    """Per layer, reading the storage (kernel or chunked reference) gives SDPA's output over what `reconstruct`
-    returns: one new query, a causal block of 4, and an arbitrary padding-like mask."""
-    model = tiny_model(arch)
-    cache = CACHES[name](model)
-    ids = _ids(2, 40)
-    with torch.no_grad():
-        model(ids[:, :33], cache=cache)
-        for t in range(33, 40):
-            model(ids[:, t : t + 1], cache=cache)
-    g = torch.Generator().manual_seed(1)
-    for layer in cache.layers:
-        keys, values = layer.reconstruct()
-        batch, kv_heads, length, dim = keys.shape
-        q_heads = model.config.num_attention_heads
-        query = torch.randn(batch, q_heads, n, dim, generator=g)
-        allowed = torch.ones(n, length, dtype=torch.bool).tril(diagonal=length - n)[None, None].expand(batch, 1, n, -1)
-        mask = None
-        if masked:
-            mask = (torch.rand(batch, 1, n, length, generator=g) > 0.4) & allowed
-            mask[..., -1] = True  # every row attends to something (SDPA gives NaN otherwise)
-        group = q_heads // kv_heads
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            keys.repeat_interleave(group, 1),
-            values.repeat_interleave(group, 1),
-            attn_mask=mask if masked else allowed,
-            scale=0.3,
-        )
-        torch.testing.assert_close(layer.attend(query, mask, 0.3), expected, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_compressed_attention_end_to_end_with_padding(arch):
-    """Model-level wiring (markers, the registered attention and mask functions, GQA, sliding windows, a left-padded
-    batch, a multi-token step): with lossless f16 storage the logits equal those of the usual path. (Lossy caches
+def test_served_attention_equals_the_decoded_history_end_to_end(arch, monkeypatch):
+    """Model-level wiring (StoredKV answering SDPA, GQA, sliding windows, a left-padded batch, a multi-token step,
+    decode steps): with lossless f16 storage the logits equal those of SDPA over the decoded history. (Lossy caches
     are compared per layer above: through a model, rounding flips in later layers' quantization amplify float noise.)"""
     model = tiny_model(arch)
     ids = _ids(2, 45)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
     outs = []
-    for compressed in (False, True):
+    for decoded in (False, True):
+        if decoded:
+            _decoded_only(monkeypatch)
         cache = QuantizedKVCache("f16", "f16", model=model)
-        with torch.no_grad(), compressed_attention(model) if compressed else _nothing():
+        with torch.no_grad():
             first = model(ids[:, :30], attention_mask=mask[:, :30], cache=cache).logits
             second = model(ids[:, 30:35], attention_mask=mask[:, :35], cache=cache).logits
             steps = [
                 model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits for t in range(35, 45)
             ]
         outs.append(torch.cat([first, second, *steps], dim=1))
-    assert model.config._attn_implementation != "hf_deltakv"  # restored on exit
-    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(outs[1][0, 6:], outs[0][0, 6:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[0][0, 6:], outs[1][0, 6:], rtol=1e-4, atol=1e-4)
 
 
-def test_generate_inside_compressed_attention():
+def test_decoding_reads_the_storage_by_default(monkeypatch):
+    """The plain one-liner (no context manager, no model=): after the prefill, decode steps never decode the
+    history; attention is served from the packed storage."""
     model = tiny_model("qwen2")
     ids = _ids(1, 20)
-    plain = model.generate(ids, max_new_tokens=10, do_sample=False, cache=QuantizedKVCache("f16", "f16"))
-    with compressed_attention(model):
-        fused = model.generate(ids, max_new_tokens=10, do_sample=False, cache=QuantizedKVCache("f16", "f16"))
-        lossy = model.generate(ids, max_new_tokens=10, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
-    assert torch.equal(fused, plain)
-    assert lossy.shape == plain.shape
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False, cache=QuantizedKVCache("f16", "f16"))
+    original = StreamLayer.sdpa
+
+    def no_decoding(self):
+        raise AssertionError("a decode step decoded the history")
+
+    for make in (lambda: QuantizedKVCache("f16", "f16"), lambda: DeltaKVCache(kf=4)):
+        cache = make()
+        with torch.no_grad():
+            logits = model(ids, cache=cache).logits
+        served = []
+        monkeypatch.setattr(StreamLayer, "reconstruct", no_decoding)
+
+        def counted(self, *args, served=served):
+            served.append(original(self, *args))
+            return served[-1]
+
+        monkeypatch.setattr(StreamLayer, "sdpa", counted)
+        tokens = [logits[:, -1].argmax(-1, keepdim=True)]
+        with torch.no_grad():
+            for _ in range(7):
+                tokens.append(model(tokens[-1], cache=cache).logits[:, -1].argmax(-1, keepdim=True))
+        monkeypatch.undo()
+        assert len(served) == 7 * model.config.num_hidden_layers and all(out is not None for out in served)
+        if isinstance(cache, QuantizedKVCache):
+            assert torch.equal(torch.cat([ids, *tokens], dim=1), expected)
 
 
-def test_compressed_attention_restores_on_error_and_refuses_bad_models():
-    model = tiny_model("llama")
-    with pytest.raises(RuntimeError, match="boom"), compressed_attention(model):
-        raise RuntimeError("boom")
-    assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(ValueError, match="PreTrainedModel"), compressed_attention(torch.nn.Linear(2, 2)):
-        pass
-
-
-def test_other_caches_pass_through_to_sdpa():
+def test_other_models_in_the_process_are_untouched():
+    """Two models, interleaved: each with our cache and with DynamicCache gives what it gives alone (the behaviour
+    lives in the tensors a cache returns, not in a process-wide switch)."""
     from transformers import DynamicCache
 
-    model = tiny_model("llama")
-    ids = _ids(1, 12)
+    first, second = tiny_model("llama"), tiny_model("gemma3")
+    ids = _ids(1, 16)
+    alone = {
+        name: (model(ids, cache=DynamicCache()).logits, model(ids, cache=QuantizedKVCache("f16", "f16")).logits)
+        for name, model in (("first", first), ("second", second))
+    }
     with torch.no_grad():
-        expected = model(ids, cache=DynamicCache()).logits
-        with compressed_attention(model):
-            got = model(ids, cache=DynamicCache()).logits
-    torch.testing.assert_close(got, expected)
+        ours = QuantizedKVCache("f16", "f16")
+        a = first(ids[:, :10], cache=ours).logits
+        b = second(ids, cache=DynamicCache()).logits
+        c = first(ids[:, 10:], cache=ours).logits
+        d = second(ids, cache=QuantizedKVCache("f16", "f16")).logits
+    torch.testing.assert_close(torch.cat([a, c], dim=1), alone["first"][1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b, alone["second"][0])
+    torch.testing.assert_close(d, alone["second"][1])
+
+
+def test_eager_attention_and_other_ops_decode_the_history():
+    """Attention other than SDPA (eager: repeat_kv, matmul) and any other op on the returned tensors run on the
+    decoded history: the same as what SDPA is served."""
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import tiny_config
+
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager").eval()
+    sdpa = tiny_model("llama")
+    ids = _ids(1, 14)
+    with torch.no_grad():
+        for step in (ids, ids[:, :13]):
+            got = eager(step, cache=QuantizedKVCache("f16", "f16")).logits
+            want = sdpa(step, cache=QuantizedKVCache("f16", "f16")).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cache = QuantizedKVCache("f16", "f16")
+    keys, _ = cache.update(torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 32), 0)
+    assert isinstance(keys, StoredKV) and keys.shape == (1, 1, 5, 32) and keys.dtype == torch.float32
+    decoded_keys, _ = cache.layers[0].reconstruct()
+    assert torch.equal(keys + 0, decoded_keys) and torch.equal(keys.sum(), decoded_keys.sum())
 
 
 CODECS = {
@@ -238,8 +250,7 @@ def test_half_precision_models_read_the_cache(dtype):
     """Sinks and queries in the model's dtype reach the kernels as fp32; the output goes back in the model's dtype."""
     model = tiny_model("llama", dtype)
     ids = _ids(1, 20)
-    with compressed_attention(model):
-        out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
     assert out.shape == (1, 26)
     cache = DeltaKVCache(kf=4, model=model)
     with torch.no_grad():

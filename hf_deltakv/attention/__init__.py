@@ -1,5 +1,5 @@
-"""Attention straight from compressed caches: the `"hf_deltakv"` attention implementation."""
+"""How transformers' attention reads a compressed cache: `StoredKV`, the tensors a cache layer's `update` returns."""
 
-from .interface import compressed_attention, compressed_attention_forward, reads_compressed, register
+from .stored import StoredKV, stored_pair
 
-__all__ = ["compressed_attention", "compressed_attention_forward", "reads_compressed", "register"]
+__all__ = ["StoredKV", "stored_pair"]

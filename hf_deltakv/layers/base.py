@@ -12,12 +12,15 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention.interface import marker, reads_compressed
+from ..attention.stored import stored_pair
 from ..formats import nbytes_of
 from ..ops.online_softmax import OnlineSoftmax
 from ..rope import RopeInverter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Queries per kv head up to which attention reads the packed storage (decoding, chunked prefill); with more (a
+# prefill) the history is decoded once and attention runs on it, as fast as the model's own SDPA.
+ATTEND_MAX_QUERIES = 64
 
 
 def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -80,8 +83,8 @@ class StreamLayer(CacheLayerMixin):
             kwargs: may hold `position_ids` (directly or under `kwargs`), used for pre-RoPE coding.
 
         Returns:
-            keys and values `[batch, kv_heads, cached + new, head_dim]` in the input dtype; inside
-            `hf_deltakv.compressed_attention`, empty markers instead (attention then calls `attend`).
+            keys and values `[batch, kv_heads, cached + new, head_dim]` in the input dtype, as `StoredKV` tensors:
+            SDPA on them reads the packed storage (`sdpa`), anything else decodes it (`reconstruct`).
         """
         _check_states(key_states, value_states)
         if not self.is_initialized:
@@ -107,9 +110,39 @@ class StreamLayer(CacheLayerMixin):
         if new > sink_new:
             self._append_stream(key_states[:, :, sink_new:], value_states[:, :, sink_new:], start + sink_new)
         self.cumulative_length += new
-        if reads_compressed():
-            return marker(self, key_states, self.head_dim), marker(self, value_states, self.value_dim)
-        return self.reconstruct()
+        shape = (self.batch_size, self.kv_heads, self.cumulative_length)
+        return stored_pair(self, (*shape, self.head_dim), (*shape, self.value_dim), key_states.dtype, self.device)
+
+    def sdpa(
+        self,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> torch.Tensor | None:
+        """`scaled_dot_product_attention(query, keys, values, ...)` over this layer's history read from storage
+        (`attend`), or None when the call is one to serve by decoding the history instead: a prefill (more than
+        `ATTEND_MAX_QUERIES` queries), dropout, a float mask, or shapes SDPA itself would refuse."""
+        batch, heads, n, dim = query.shape
+        length = self.cumulative_length
+        if dropout_p or n > ATTEND_MAX_QUERIES or heads % self.kv_heads or (heads != self.kv_heads and not enable_gqa):
+            return None
+        if mask is not None:
+            if mask.dtype != torch.bool or mask.dim() > 4:
+                return None
+            mask = mask.view(*[1] * (4 - mask.dim()), *mask.shape)
+            if mask.shape[1] not in (1, heads):
+                return None
+            mask = mask.expand(batch, mask.shape[1], n, length)
+        elif is_causal and n != length:  # SDPA's causal mask is top-left aligned: query i sees keys 0..i
+            mask = torch.ones(n, length, dtype=torch.bool, device=query.device).tril()[None, None]
+            mask = mask.expand(batch, 1, n, length)
+        elif not is_causal and n > 1:
+            mask = torch.ones(batch, 1, n, length, dtype=torch.bool, device=query.device)
+        # Otherwise (one query, or causal over the whole history) `attend`'s own causal rule is SDPA's.
+        return self.attend(query, mask, scale if scale is not None else dim**-0.5).to(query.dtype)
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of `query` over every cached token, read from storage chunk by chunk (see `attention`).

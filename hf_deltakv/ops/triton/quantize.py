@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import formats
 from ...formats import Kind, QuantizedTensor, get_format
+from ...formats.blocks import FP16_MAX as FP16_MAX_VALUE
 
-FP16_MAX = tl.constexpr(formats.FP16_MAX)  # where scales saturate, as in the reference
+FP16_MAX = tl.constexpr(FP16_MAX_VALUE)  # where scales saturate, as in the reference
 ROWS = 16
 
 
