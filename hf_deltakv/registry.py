@@ -64,6 +64,9 @@ CACHES: dict[str, CacheEntry] = {
         "KIVI-style with keys quantized before RoPE", KIVIKVCache, {"pre_rope": True}, takes_model=True
     ),
     "delta": CacheEntry("DeltaKVCache (defaults; keys coded before RoPE)", DeltaKVCache, takes_model=True),
+    "delta-no-model": CacheEntry(
+        "DeltaKVCache(kf=32) as the one-liner writes it: no model=, keys after RoPE", DeltaKVCache
+    ),
     "residual": CacheEntry(
         "ResidualKVCache (learned residual codes; built-in compressor for SmolLM2-135M, or compressor=DIR)",
         ResidualKVCache,

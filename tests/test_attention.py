@@ -10,6 +10,7 @@ import torch
 from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, ops
 from hf_deltakv.attention import StoredKV
 from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
+from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec
 from hf_deltakv.layers import StreamLayer
 from hf_deltakv.ops.cpu import extension
 from hf_deltakv.ops.cpu.stream_attention import supports
@@ -21,9 +22,9 @@ CACHES = {
     "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
     "q8_0-rot": lambda model: QuantizedKVCache("q8_0", "q4_1", rotate=True),
     "kivi": lambda model: KIVIKVCache(model=model, pre_rope=True),
-    "delta": lambda model: DeltaKVCache(kf=4),
-    "delta-pre-rope": lambda model: DeltaKVCache(kf=4, model=model),
-    "delta-both": lambda model: DeltaKVCache(kf=8, values="delta", model=model, sink_tokens=0),
+    "delta": lambda model: DeltaKVCache(kf=8),
+    "delta-pre-rope": lambda model: DeltaKVCache(kf=8, model=model),
+    "delta-both": lambda model: DeltaKVCache(kf=8, keys="token", values="delta", model=model, sink_tokens=0),
     "residual": lambda model: ResidualKVCache(model=model, compressor=tiny_compressor(model)),
 }
 
@@ -73,7 +74,7 @@ def test_decoding_reads_the_storage_by_default(monkeypatch):
     def no_decoding(self):
         raise AssertionError("a decode step decoded the history")
 
-    for make in (lambda: QuantizedKVCache("f16", "f16"), lambda: DeltaKVCache(kf=4)):
+    for make in (lambda: QuantizedKVCache("f16", "f16"), lambda: DeltaKVCache(kf=8)):
         cache = make()
         with torch.no_grad():
             logits = model(ids, cache=cache).logits
@@ -152,6 +153,9 @@ CODECS = {
     "delta-no-mean": lambda: RotatedCodec(delta_codec(kf=32, mean_reference=False, delta_format="q4_1")),
     "kivi": lambda: ChannelGroupCodec("q4_1"),
     "delta-keyframe-ref": lambda: delta_codec(kf=4, reference="keyframe"),
+    "adaptive-32": lambda: AdaptiveChannelCodec(group=32, bits=4, offset=3),
+    "adaptive-16": lambda: AdaptiveChannelCodec(group=16, bits=3.5, offset=0),
+    "adaptive-64": lambda: AdaptiveChannelCodec(group=64, bits=5, offset=7),
 }
 
 
@@ -195,14 +199,14 @@ def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
     itself."""
     assert extension() is not None
     model = tiny_model("llama")
-    cache = DeltaKVCache(kf=4, model=model)
+    cache = DeltaKVCache(kf=8, model=model)
     with torch.no_grad():
         model(_ids(1, 20), cache=cache)
     layer = cache.layers[0]
-    assert supports(layer.key_codec.layout()) and supports(layer.value_codec.layout())
+    assert supports(layer.key_codec.layout(), layer.value_codec.layout())
     kivi = ChannelGroupCodec("q4_1")
     kivi.append(torch.randn(1, 1, 40, 64))
-    assert not supports(kivi.layout())
+    assert not supports(kivi.layout(), layer.value_codec.layout())
 
 
 def test_forced_reference_never_calls_the_kernel(monkeypatch):
@@ -250,9 +254,9 @@ def test_half_precision_models_read_the_cache(dtype):
     """Sinks and queries in the model's dtype reach the kernels as fp32; the output goes back in the model's dtype."""
     model = tiny_model("llama", dtype)
     ids = _ids(1, 20)
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=DeltaKVCache(kf=8, model=model))
     assert out.shape == (1, 26)
-    cache = DeltaKVCache(kf=4, model=model)
+    cache = DeltaKVCache(kf=8, model=model)
     with torch.no_grad():
         model(ids, cache=cache)
     layer = cache.layers[0]

@@ -14,8 +14,8 @@ CACHES = {
     "q4_0": lambda **kw: QuantizedKVCache("q4_0", "q4_0", **kw),
     "q8_0-rot": lambda **kw: QuantizedKVCache("q8_0", "q8_0", rotate=True, **kw),
     "kivi": lambda **kw: KIVIKVCache(**kw),
-    "delta": lambda **kw: DeltaKVCache(kf=4, **kw),
-    "delta-values": lambda **kw: DeltaKVCache(kf=4, values="delta", **kw),
+    "delta": lambda **kw: DeltaKVCache(kf=8, **kw),
+    "delta-values": lambda **kw: DeltaKVCache(kf=8, keys="token", values="delta", **kw),
 }
 
 
@@ -42,7 +42,7 @@ def test_update_returns_every_token_reconstructed(name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_returns_input_dtype(dtype):
-    cache = DeltaKVCache(kf=4)
+    cache = DeltaKVCache(kf=8)
     keys, values = cache.update(*kv(9, dtype=dtype), 0)
     assert keys.dtype == values.dtype == dtype
 
@@ -51,10 +51,11 @@ def test_bits_per_element_is_measured():
     cache = DeltaKVCache(kf=32, sink_tokens=0)
     for layer in range(2):
         cache.update(*kv(1024, batch=1), layer)
-    # keys: 31 q4_0_16 deltas (5 bits) + 1 q8_0 keyframe (8.5) per 32; values q4_0; plus two fp32 state vectors
-    # (closed-loop reference, running sum) and four fp16 mean snapshots (at 16, 64, 256, 1024 tokens)
-    expected_keys = (31 * 5.0 + 8.5) / 32 + (2 * 32 + 4 * 16) / 1024
-    assert cache.bits_per_element() == pytest.approx((expected_keys + 4.5) / 2, rel=1e-6)
+    assert cache.bits_per_element() == pytest.approx((16 + 4.5) / 2)  # keys wait raw until read (no query yet)
+    for layer in cache.layers:
+        layer.reconstruct()  # a read codes the complete groups
+    # keys: 4-bit codes, fp16 low and step and a 4-bit depth per channel and 32 tokens; values q4_0
+    assert cache.bits_per_element() == pytest.approx((4 + 36 / 32 + 4.5) / 2, rel=1e-6)
     assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
     assert cache.layers[0].bits_per_element() == pytest.approx(cache.bits_per_element())
 
@@ -96,10 +97,17 @@ def test_reorder_matches_reordered_inputs(name):
 
 
 def test_reset_empties_the_cache():
-    cache = DeltaKVCache(kf=4)
+    cache = DeltaKVCache(kf=8)
     cache.update(*kv(9), 0)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+    token = DeltaKVCache(kf=32, sink_tokens=0, keys="token")
+    token.update(*kv(1024, batch=1), 0)
+    # keys: 31 q4_0_16 deltas (5 bits) + 1 q8_0 keyframe (8.5) per 32; values q4_0; plus two fp32 state vectors
+    # (closed-loop reference, running sum) and four fp16 mean snapshots (at 16, 64, 256, 1024 tokens)
+    expected_keys = (31 * 5.0 + 8.5) / 32 + (2 * 32 + 4 * 16) / 1024
+    assert token.bits_per_element() == pytest.approx((expected_keys + 4.5) / 2, rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -108,9 +116,14 @@ def test_reset_empties_the_cache():
         (dict(kf=0), "kf"),
         (dict(kf=-1), "kf"),
         (dict(kf="32"), "kf"),
-        (dict(delta_format="q5_k"), "allowed"),
-        (dict(keyframe_format="fp8"), "allowed"),
-        (dict(reference="future"), "previous"),
+        (dict(kf=24), "kf"),
+        (dict(key_bits=0.5), "key_bits"),
+        (dict(delta_format="q4_0"), "keys='token'"),
+        (dict(keys="token", delta_format="q5_k"), "allowed"),
+        (dict(keys="token", keyframe_format="fp8"), "allowed"),
+        (dict(keys="token", reference="future"), "previous"),
+        (dict(keys="token", kf=5000), "kf"),
+        (dict(keys="pixel"), "keys"),
         (dict(values="int4"), "values"),
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(pre_rope=True), "model"),
@@ -130,7 +143,7 @@ def test_bad_tensors():
     with pytest.raises(ValueError, match="head_dim"):
         cache.update(torch.ones(1, 2, 32), torch.ones(1, 2, 32), 0)
     cache.update(*kv(3), 0)
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="do not continue"):
         cache.update(*kv(1, heads=4), 0)
     with pytest.raises(ValueError, match="layer_idx"):
         cache.update(*kv(1), -1)

@@ -160,3 +160,137 @@ def test_segmented_prefix_sum_reference():
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
     resets = torch.tensor([[False, False, True, False, True]])
     assert segmented_prefix_sum(values, resets, dim=1).tolist() == [[1.0, 3.0, 3.0, 7.0, 5.0]]
+
+
+# --- the adaptive per-channel codec (DeltaKVCache's keys) -----------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec, allocate_bits, pair_energy  # noqa: E402
+from hf_deltakv.formats.bitplanes import pack_planes, unpack_planes  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(dim=st.sampled_from([2, 8, 64, 256]), rate=st.sampled_from([1.0, 2.5, 4.0, 5.25, 8.0]), seed=st.integers(0, 999))
+def test_allocation_spends_the_budget_exactly_and_follows_the_scores(dim, rate, seed):
+    g = torch.Generator().manual_seed(seed)
+    score = torch.rand(3, dim, generator=g) ** 8 * 1e4
+    score[0, : dim // 2] = 0  # dead channels
+    score[1, 0] = float("nan")
+    total = int(rate * dim)
+    bits = allocate_bits(score, total)
+    assert bits.dtype == torch.uint8 and ((bits >= 1) & (bits <= 8)).all()
+    assert (bits.long().sum(-1) == total).all()
+    row = bits[2].long()
+    order = score[2].argsort()
+    assert (row[order].diff() >= -1).all()  # a larger score never gets more than one bit less (rounding)
+
+
+@settings(max_examples=40, deadline=None)
+@given(group=st.sampled_from([8, 16, 32, 64]), dim=st.integers(1, 12), seed=st.integers(0, 999))
+def test_bit_planes_round_trip(group, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(1, 9, (dim,), generator=g).expand(2, 3, dim)
+    codes = (torch.rand(2, 3, group, dim, generator=g) * (2 ** bits.unsqueeze(-2))).floor().to(torch.uint8)
+    planes = pack_planes(codes, bits)
+    assert planes.shape == (2, 3, int(bits[0, 0].sum()), group // 8)
+    assert torch.equal(unpack_planes(planes, bits).to(torch.uint8), codes)
+
+
+def _adaptive(**kw):
+    return AdaptiveChannelCodec(**{"group": 32, "bits": 4.0, "offset": 4, **kw})
+
+
+def test_adaptive_chunks_and_tokens_store_the_same_bytes_as_one_shot():
+    x = smooth_stream(100)
+    energy = torch.rand(2, 3, 104, 64, generator=torch.Generator().manual_seed(3)) * 5
+    whole, steps = _adaptive(), _adaptive()
+    whole.append(x)
+    whole.observe(energy, 0)
+    whole.flush()
+    steps.append(x[:, :, :10])
+    steps.observe(energy[:, :, :14], 0)
+    for t in range(10, 100):
+        steps.append(x[:, :, t : t + 1])
+        steps.observe(energy[:, :, 4 + t : 5 + t], 4 + t)
+        steps.flush()
+    for name in ("planes", "depths", "low", "step", "tail"):
+        assert torch.equal(getattr(whole, name).view(torch.uint8), getattr(steps, name).view(torch.uint8)), name
+    torch.testing.assert_close(whole.decode(), steps.decode())
+
+
+def test_adaptive_groups_are_aligned_to_absolute_positions_and_causal():
+    """Group 0 holds the 28 tokens after 4 sinks; a group is coded from the queries before its start only, whenever
+    they arrive."""
+    x = smooth_stream(92)
+    energy = torch.ones(2, 3, 96, 64)
+    late = energy.clone()
+    late[:, :, 40:, :8] = 1e6  # queries from position 40 on weigh 8 channels heavily
+    a, b, c = _adaptive(), _adaptive(), _adaptive()
+    for codec, e in ((a, energy), (b, late)):
+        codec.append(x)
+        codec.observe(e, 0)
+        codec.flush()
+    assert a.coded == b.coded == 3 and a.tail.shape[2] == b.tail.shape[2] == 0
+    assert torch.equal(a.depths[:, :, :2], b.depths[:, :, :2])  # groups 0 and 1 start at 0 and 32: before 40
+    assert not torch.equal(a.depths[:, :, 2], b.depths[:, :, 2])  # group 2 starts at 64: it sees them
+    c.append(x)
+    c.observe(late[:, :, :50], 0)
+    c.observe(late[:, :, 50:], 50)  # later queries (64 on) arrive after the snapshot of group 2's start
+    c.observe(torch.full_like(late, 1e9), 0)  # and positions already observed are ignored
+    c.flush()
+    assert torch.equal(c.depths, b.depths)
+
+
+def test_adaptive_places_bits_where_queries_look():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 64, 16, generator=g)
+    energy = torch.ones(1, 1, 64, 16)
+    energy[..., 3] = energy[..., 11] = 1e4  # channel 3 and its RoPE partner 11
+    codec = AdaptiveChannelCodec(group=32, bits=4.0, offset=0)
+    codec.append(x)
+    codec.observe(energy, 0)
+    codec.flush()
+    from hf_deltakv.formats import unpack_4bit
+
+    second = unpack_4bit(codec.depths[0, 0, 1])  # the second group saw the queries
+    assert second[3] == second[11] == 8 and second.sum() == 64
+    error = (codec.decode() - x)[0, 0, 32:].abs().amax(0)
+    assert error[3] < error.median() / 10
+
+
+def test_adaptive_damage_stays_in_its_channel_and_group():
+    x = smooth_stream(96)
+    x[0, 1, 40, 5] = float("nan")
+    codec = _adaptive()
+    codec.append(x)
+    out = codec.decode()
+    bad = ~torch.isfinite(out)
+    assert bad[0, 1, 28:60, 5].all()  # the group of positions 32..63 (stream 28..59) in channel 5
+    assert bad.sum() == 32
+
+
+def test_adaptive_storage_is_packed_and_counted():
+    codec = _adaptive()
+    codec.append(smooth_stream(252))  # 8 groups of 32 positions after 4 sinks
+    codec.flush()
+    assert codec.tail.shape[2] == 0
+    assert codec.planes.dtype == torch.uint8 and codec.low.dtype == codec.step.dtype == torch.float16
+    # 4 bits of codes + fp16 low and step per 32 tokens + 4 bits of depth per 32 tokens (1.125 bits)
+    assert 8 * codec.nbytes() / (2 * 3 * 252 * 64) == pytest.approx(5.125 * 256 / 252, rel=1e-3)
+
+
+def test_pair_energy_is_the_same_before_and_after_rope():
+    from hf_deltakv.rope import apply_rope
+
+    q = torch.randn(2, 4, 5, 64)
+    angle = torch.rand(5, 32) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    torch.testing.assert_close(pair_energy(apply_rope(q, cos, sin)), pair_energy(q))
+
+
+@pytest.mark.parametrize("bad", [{"group": 24}, {"bits": 0.5}, {"bits": 9}, {"bits": True}])
+def test_adaptive_refuses_bad_options(bad):
+    with pytest.raises(ValueError):
+        _adaptive(**bad)

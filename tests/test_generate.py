@@ -17,9 +17,9 @@ from .conftest import ARCHS, tiny_compressor, tiny_model
 LOSSY = {
     "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
     "kivi": lambda model: KIVIKVCache(model=model, pre_rope=True),
-    "delta": lambda model: DeltaKVCache(kf=4),
-    "delta-pre-rope": lambda model: DeltaKVCache(kf=4, model=model),
-    "delta-both": lambda model: DeltaKVCache(kf=4, values="delta", model=model),
+    "delta": lambda model: DeltaKVCache(kf=8),
+    "delta-pre-rope": lambda model: DeltaKVCache(kf=8, model=model),
+    "delta-both": lambda model: DeltaKVCache(kf=8, keys="token", values="delta", model=model),
     "residual": lambda model: ResidualKVCache(model=model, compressor=tiny_compressor(model)),
 }
 
@@ -57,7 +57,7 @@ def test_greedy_every_architecture(arch, name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dtypes(dtype):
     model = tiny_model("llama", dtype)
-    cache = DeltaKVCache(kf=4, model=model)
+    cache = DeltaKVCache(kf=8, model=model)
     out = greedy(model, prompt(), cache)
     assert out.shape == (1, 15)
     keys, _ = cache.layers[0].reconstruct()
@@ -69,7 +69,7 @@ def test_high_precision_delta_tracks_dynamic_cache_logits():
     ids = prompt(length=40)
     with torch.no_grad():
         ref = model(ids, cache=DynamicCache(), use_cache=True).logits
-        cache = DeltaKVCache(kf=8, delta_format="q8_0", keyframe_format="q8_0", values="q8_0", model=model)
+        cache = DeltaKVCache(kf=8, key_bits=8, values="q8_0", model=model)
         got = model(ids, cache=cache, use_cache=True).logits
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
@@ -156,12 +156,19 @@ def test_chunked_prefill_equals_one_shot_for_closed_loop_codec():
             out = model(ids[:, start : start + 7], cache=chunked, use_cache=True).logits[:, -1]
     # Only the attention inputs differ (the chunk attends to the reconstruction, as does the one-shot forward).
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(whole.layers[1].reconstruct()[0], chunked.layers[1].reconstruct()[0])
+    # The first layer's keys are the same inputs coded with the same (causal) query statistics: the same storage
+    # (raw tail tokens to the float noise of RoPE tables computed for other position ranges).
+    first = whole.layers[0].key_codec, chunked.layers[0].key_codec
+    assert all(torch.equal(getattr(first[0], n), getattr(first[1], n)) for n in ("planes", "depths", "low", "step"))
+    torch.testing.assert_close(whole.layers[0].reconstruct()[0], chunked.layers[0].reconstruct()[0], atol=1e-4, rtol=0)
+    # Later layers' inputs differ by float noise, which may move a bit between channels: within the coding error.
+    a, b = whole.layers[1].reconstruct()[0], chunked.layers[1].reconstruct()[0]
+    assert (a - b).norm() < 0.05 * a.norm()
 
 
 def test_cache_keyword_and_past_key_values_agree():
     model = tiny_model("llama")
     ids = prompt()
-    a = model.generate(ids, max_new_tokens=5, do_sample=False, cache=DeltaKVCache(kf=4, model=model))
-    b = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=DeltaKVCache(kf=4, model=model))
+    a = model.generate(ids, max_new_tokens=5, do_sample=False, cache=DeltaKVCache(kf=8, model=model))
+    b = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=DeltaKVCache(kf=8, model=model))
     assert torch.equal(a, b)

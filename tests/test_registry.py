@@ -31,9 +31,9 @@ def test_every_registered_cache_generates(name, tmp_path):
 
 
 def test_spec_parsing():
-    assert parse_spec("delta:kf=64,values=q4_1,intra=false") == (
+    assert parse_spec("delta:kf=64,values=q4_1,keys=token,intra=false") == (
         "delta",
-        {"kf": 64, "values": "q4_1", "intra": False},
+        {"kf": 64, "values": "q4_1", "keys": "token", "intra": False},
     )
     with pytest.raises(ValueError, match="allowed"):
         parse_spec("zip")

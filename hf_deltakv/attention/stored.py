@@ -36,23 +36,69 @@ class _Pair:
 
 
 class StoredKV(torch.Tensor):
-    """Keys (`index` 0) or values (1) of a cache layer, `[batch, kv_heads, tokens, dim]`, data kept in the cache."""
+    """Keys (`index` 0) or values (1) of a cache layer, `[batch, kv_heads, tokens, dim]`, data kept in the cache.
+
+    transformers' `repeat_kv` (GQA attention with a mask and several queries: `x[:, :, None].expand(...).reshape(...)`)
+    is followed lazily (`stage`, `repeats`), so that SDPA on the repeated heads is still served from storage.
+    """
 
     pair: _Pair
     index: int
+    stage: str  # "plain" [B, H, S, D]; "unsqueezed" [B, H, 1, S, D]; "expanded" [B, H, R, S, D]
+    repeats: int  # query heads per stored head (repeat_kv's factor)
 
     @staticmethod
-    def __new__(cls, pair: _Pair, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    def __new__(
+        cls,
+        pair: _Pair,
+        index: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        stage: str = "plain",
+        repeats: int = 1,
+    ):
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
-        out.pair, out.index = pair, index
+        out.pair, out.index, out.stage, out.repeats = pair, index, stage, repeats
         return out
 
     def __repr__(self) -> str:
         return f"StoredKV({'keys' if self.index == 0 else 'values'}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def decoded(self) -> torch.Tensor:
-        """The history this tensor stands for, decoded (memoised with its pair)."""
-        return self.pair.decode(self.index, self.dtype)
+        """The tensor this one stands for, decoded (the history memoised with its pair)."""
+        history = self.pair.decode(self.index, self.dtype)
+        if self.stage == "unsqueezed":
+            return history[:, :, None]
+        if self.stage == "expanded":
+            return history[:, :, None].expand(self.shape)
+        if self.repeats > 1:
+            return history.repeat_interleave(self.repeats, dim=1)
+        return history
+
+    def _derived(self, shape: tuple[int, ...], stage: str, repeats: int) -> StoredKV:
+        return StoredKV(self.pair, self.index, shape, self.dtype, self.device, stage, repeats)
+
+    def _follow_repeat_kv(self, func, args: tuple, kwargs: dict) -> StoredKV | None:
+        """The next step of `repeat_kv` on this tensor as a lazy StoredKV, or None for any other operation."""
+        if kwargs:
+            return None
+        shape = tuple(self.shape)
+        if func is torch.Tensor.__getitem__ and self.stage == "plain" and self.repeats == 1:
+            index = args[1]
+            full = slice(None)
+            if index in ((full, full, None, full, full), (full, full, None), (full, full, None, Ellipsis)):
+                return self._derived((*shape[:2], 1, *shape[2:]), "unsqueezed", 1)
+        elif func is torch.Tensor.expand and self.stage == "unsqueezed":
+            sizes = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+            if len(sizes) == 5 and sizes[:2] == shape[:2] and sizes[3:] == shape[3:]:
+                return self._derived(tuple(sizes), "expanded", sizes[2])
+        elif func in (torch.Tensor.reshape, torch.Tensor.view) and self.stage == "expanded":
+            sizes = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+            batch, heads, repeats, length, dim = shape
+            if tuple(sizes) == (batch, heads * repeats, length, dim):
+                return self._derived(tuple(sizes), "plain", repeats)
+        return None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -64,6 +110,10 @@ class StoredKV(torch.Tensor):
         elif getattr(func, "__name__", "") == "__get__" or func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        elif args and isinstance(args[0], StoredKV):
+            followed = args[0]._follow_repeat_kv(func, args, kwargs)
+            if followed is not None:
+                return followed
         args, kwargs = tree_map(_decoded, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -90,10 +140,13 @@ def _serve_sdpa(args: tuple, kwargs: dict) -> torch.Tensor | None:
         return None
     if key.index != 0 or value.index != 1 or isinstance(query, StoredKV):
         return None
+    if key.stage != "plain" or value.stage != "plain" or key.repeats != value.repeats:
+        return None
     mask = call["attn_mask"]
     if isinstance(mask, StoredKV):
         return None
-    return key.pair.layer.sdpa(query, mask, call["dropout_p"], call["is_causal"], call["scale"], call["enable_gqa"])
+    gqa = call["enable_gqa"] or key.repeats > 1  # heads repeated by repeat_kv: the layer reads its own kv heads
+    return key.pair.layer.sdpa(query, mask, call["dropout_p"], call["is_causal"], call["scale"], gqa)
 
 
 def stored_pair(

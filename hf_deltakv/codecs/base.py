@@ -33,9 +33,26 @@ class StreamCodec(ABC):
     def layout(self) -> ops.StreamLayout:
         """The packed storage as the ops read it (only once something is stored)."""
 
+    def observe(self, energy: torch.Tensor, first: int) -> None:  # noqa: B027 - a hook most codecs leave empty
+        """Queries' channel energies `[batch, heads, n, dim]` at absolute positions `first...` (see `adaptive`); most
+        codecs ignore them."""
+
     @abstractmethod
     def state_names(self) -> tuple[str, ...]:
         """Attributes holding the state (tensors or `QuantizedTensor`s with the batch first)."""
+
+    def droppable(self, tokens: int) -> int:
+        """How many of the first `tokens` stored tokens the storage can drop (whole pieces; default: none)."""
+        return 0
+
+    def drop_front(self, tokens: int) -> None:
+        """Drop the first `tokens` stored tokens (a `droppable` amount): a sliding window has passed them."""
+        if tokens:
+            raise ValueError(f"{type(self).__name__} cannot drop stored tokens")
+
+    @abstractmethod
+    def truncate(self, tokens: int) -> None:
+        """Keep the first `tokens` stored tokens only (a crop), restoring any closed-loop state at the cut."""
 
     def decode_range(self, start: int, end: int) -> torch.Tensor:
         """Reconstruct tokens `start <= t < end` only, `[batch, heads, end - start, dim]` in fp32."""

@@ -46,5 +46,26 @@ class ChannelGroupCodec(StreamCodec):
         self.tail = pending[:, :, full:].contiguous()
         self.length += x.shape[2]
 
+    def _coded(self) -> int:
+        return self.length - self.tail.shape[2]
+
+    def droppable(self, tokens: int) -> int:
+        return min(tokens, self._coded()) // self.group * self.group
+
+    def drop_front(self, tokens: int) -> None:
+        self.groups = self.groups.map(lambda t: t[:, :, tokens // self.group :])
+        self.length -= tokens
+
+    def truncate(self, tokens: int) -> None:
+        coded = self._coded()
+        if tokens >= coded:
+            self.tail = self.tail[:, :, : tokens - coded]
+        else:  # the cut group's kept tokens go back to the fp16 tail, as they were stored
+            keep = tokens // self.group
+            partial = ops.decode_stream(self.layout(), keep * self.group, tokens).to(torch.float16)
+            self.groups = self.groups.map(lambda t: t[:, :, :keep]) if keep else None
+            self.tail = partial.contiguous()
+        self.length = tokens
+
     def layout(self) -> ops.ChannelStream:
         return ops.ChannelStream(self.groups, self.tail, self.group, self.tail.shape[-1], self.length)

@@ -25,6 +25,7 @@ from ..ops.reference import long_term_reference
 from .base import StreamCodec, append_along_seq
 
 REFERENCES = ("previous", "keyframe")
+MAX_KF = 4096  # a prefill codes whole keyframe groups: memory and time grow with kf, so it is bounded
 
 
 class DeltaCodec(StreamCodec):
@@ -47,8 +48,8 @@ class DeltaCodec(StreamCodec):
         self, *, kf: int, delta_format: str, keyframe_format: str, reference: str, intra: bool, mean_reference: bool
     ) -> None:
         super().__init__()
-        if not isinstance(kf, int) or isinstance(kf, bool) or kf < 1:
-            raise ValueError(f"kf must be an integer >= 1, got {kf!r}")
+        if not isinstance(kf, int) or isinstance(kf, bool) or not 1 <= kf <= MAX_KF:
+            raise ValueError(f"kf must be an integer in [1, {MAX_KF}], got {kf!r}")
         if reference not in REFERENCES:
             raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
         fmt = get_format(delta_format)
@@ -208,6 +209,32 @@ class DeltaCodec(StreamCodec):
             if self.reference == "previous":
                 self.reference_state = recon.unsqueeze(2)
         self.length += 1
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first `tokens`: codes are cut, and the closed loop continues from the reconstruction of the last
+        kept token (or its group's keyframe); mean snapshots taken later are dropped, and the running sum restarts
+        from the reconstructions (the inputs are not kept)."""
+        if tokens == 0:
+            self.__init__(**self._options())
+            return
+        groups = -(-tokens // self.kf)
+        decoded = self.decode_range(0, tokens)
+        self.keyframes = self.keyframes.map(lambda t: t[:, :, :groups])
+        if self.deltas is not None:
+            self.deltas = self.deltas.map(lambda t: t[:, :, : tokens - groups])
+        if self.reference == "keyframe":
+            self.reference_state = decoded[:, :, (tokens - 1) // self.kf * self.kf].unsqueeze(2).clone()
+        else:
+            self.reference_state = decoded[:, :, -1:].clone()
+        if self.mean_reference:
+            kept = SNAPSHOTS.count(tokens)
+            self.means = self.means[:, :, :kept] if self.means is not None and kept else None
+            self.running_sum = decoded.sum(dim=2, keepdim=True)
+        self.length = tokens
+
+    def _options(self) -> dict:
+        names = ("kf", "delta_format", "keyframe_format", "reference", "intra", "mean_reference")
+        return {name: getattr(self, name) for name in names}
 
     def layout(self) -> ops.DeltaStream:
         return ops.DeltaStream(

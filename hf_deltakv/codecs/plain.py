@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..formats import get_format, quantize
+from ..formats import Kind, get_format, quantize
 from .base import StreamCodec, append_along_seq
 
 
@@ -14,11 +14,15 @@ class PlainCodec(StreamCodec):
 
     Args:
         fmt: block format name (`q4_0`, `q4_1`, `q8_0`, `f16`).
+        search_scale: search each block's scale for the least error (q4_0 family; `formats.quantize_q4_0`).
     """
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, search_scale: bool = False) -> None:
         super().__init__()
         self.fmt = get_format(fmt).name
+        if search_scale and get_format(fmt).kind != Kind.Q4_SYM:
+            raise ValueError(f"search_scale applies to the q4_0 family, not {fmt!r}")
+        self.search_scale = search_scale
         self.stored = None
 
     def state_names(self) -> tuple[str, ...]:
@@ -26,9 +30,21 @@ class PlainCodec(StreamCodec):
 
     def append(self, x: torch.Tensor) -> None:
         # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
-        coded = ops.quantize(x, self.fmt) if x.shape[2] == 1 else quantize(x, self.fmt)
+        search = self.search_scale
+        coded = ops.quantize(x, self.fmt, search) if x.shape[2] == 1 else quantize(x, self.fmt, search)
         self.stored = append_along_seq(self.stored, coded)
         self.length += x.shape[2]
+
+    def droppable(self, tokens: int) -> int:
+        return min(tokens, self.length)
+
+    def drop_front(self, tokens: int) -> None:
+        self.stored = self.stored.map(lambda t: t[:, :, tokens:])
+        self.length -= tokens
+
+    def truncate(self, tokens: int) -> None:
+        self.stored = self.stored.map(lambda t: t[:, :, :tokens])
+        self.length = tokens
 
     def layout(self) -> ops.PlainStream:
         return ops.PlainStream(self.stored, self.stored.dim, self.length)

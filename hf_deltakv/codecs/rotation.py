@@ -18,6 +18,11 @@ class RotatedCodec(StreamCodec):
     def __init__(self, inner: StreamCodec) -> None:  # no super().__init__(): the inner codec keeps the length
         self.inner = inner
 
+    @classmethod
+    def around(cls, make_inner) -> RotatedCodec:
+        """A rotated codec around a fresh one from `make_inner` (a picklable factory: `partial(around, make)`)."""
+        return cls(make_inner())
+
     @property
     def length(self) -> int:
         return self.inner.length
@@ -33,6 +38,15 @@ class RotatedCodec(StreamCodec):
 
     def append(self, x: torch.Tensor) -> None:
         self.inner.append(rotate(x))
+
+    def droppable(self, tokens: int) -> int:
+        return self.inner.droppable(tokens)
+
+    def drop_front(self, tokens: int) -> None:
+        self.inner.drop_front(tokens)
+
+    def truncate(self, tokens: int) -> None:
+        self.inner.truncate(tokens)
 
     def layout(self) -> ops.StreamLayout:
         inner = self.inner.layout()

@@ -1,6 +1,7 @@
 """Block formats as data (the table every kernel reads), bit packing, reference quantize/dequantize, byte counting."""
 
 from .blocks import (
+    FP16_MAX,
     QuantizedTensor,
     dequantize,
     nbytes_of,
@@ -15,6 +16,7 @@ from .table import FORMATS, BlockFormat, Kind, get_format
 
 __all__ = [
     "FORMATS",
+    "FP16_MAX",
     "BlockFormat",
     "Kind",
     "QuantizedTensor",

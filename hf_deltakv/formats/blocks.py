@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import pack_4bit, unpack_4bit
-from .table import BlockFormat, get_format
+from .table import BlockFormat, Kind, get_format
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504: fp16's largest finite value, where scales saturate
 
@@ -115,17 +115,39 @@ def _finalize_scale(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return d.to(torch.float16)
 
 
-def quantize_q4_0(x: torch.Tensor, fmt_name: str = "q4_0") -> QuantizedTensor:
-    """Symmetric 4-bit: scale = signed absmax / -8, codes = trunc(x / scale + 8.5) clipped to 0..15."""
+# Divisors of the signed absmax tried for a q4_0 block's scale when searching: llama.cpp's 8 first, then smaller
+# ones, which clip the largest value for a finer step over the rest (the same bytes' layout; another encoder).
+SCALE_SEARCH = (8.0, 7.75, 7.5, 7.25, 7.0, 6.5)
+
+
+def _q4_0_codes(blocks: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    inv = _safe_reciprocal(d)
+    return _finite_or_zero(torch.trunc(blocks * inv + 8.5)).clamp(0, 15)
+
+
+def quantize_q4_0(x: torch.Tensor, fmt_name: str = "q4_0", search_scale: bool = False) -> QuantizedTensor:
+    """Symmetric 4-bit: scale = signed absmax / -8, codes = trunc(x / scale + 8.5) clipped to 0..15.
+
+    With `search_scale`, each block's scale is the one of `SCALE_SEARCH` whose decoded block (with the stored fp16
+    scale) has the smallest squared error, summed in fp64 (the first on ties): the format and the decoder are
+    llama.cpp's, the encoder is not.
+    """
     _check_float(x)
     fmt = get_format(fmt_name)
     blocks = _to_blocks(x, fmt.block_size)
     imax = blocks.abs().argmax(dim=-1, keepdim=True)
-    d = torch.gather(blocks, -1, imax) / -8
-    d = d.clamp(-FP16_MAX, FP16_MAX)
-    inv = _safe_reciprocal(d)
-    q = _finite_or_zero(torch.trunc(blocks * inv + 8.5)).clamp(0, 15).to(torch.uint8)
-    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), _finalize_scale(d.squeeze(-1), blocks))
+    peak = torch.gather(blocks, -1, imax)
+    d = (peak / -8).clamp(-FP16_MAX, FP16_MAX)
+    q = _q4_0_codes(blocks, d)
+    if search_scale:
+        best = ((q - 8) * d.half().float() - blocks).double().pow(2).sum(-1, keepdim=True)
+        for divisor in SCALE_SEARCH[1:]:
+            d_try = (peak / -divisor).clamp(-FP16_MAX, FP16_MAX)
+            q_try = _q4_0_codes(blocks, d_try)
+            err = ((q_try - 8) * d_try.half().float() - blocks).double().pow(2).sum(-1, keepdim=True)
+            better = err < best
+            q, d, best = torch.where(better, q_try, q), torch.where(better, d_try, d), torch.where(better, err, best)
+    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q.to(torch.uint8)), _finalize_scale(d.squeeze(-1), blocks))
 
 
 def quantize_q4_1(x: torch.Tensor, fmt_name: str = "q4_1") -> QuantizedTensor:
@@ -194,7 +216,12 @@ QUANTIZERS = {
 }
 
 
-def quantize(x: torch.Tensor, fmt: str) -> QuantizedTensor:
-    """Quantize `x` along its last dimension into the named format."""
+def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
+    """Quantize `x` along its last dimension into the named format (`search_scale`: see `quantize_q4_0`; the q4_0
+    family only, where it is a choice of the encoder)."""
+    if search_scale:
+        if get_format(fmt).kind != Kind.Q4_SYM:
+            raise ValueError(f"search_scale applies to the q4_0 family, not {fmt!r}")
+        return quantize_q4_0(x, fmt, search_scale=True)
     get_format(fmt)
     return QUANTIZERS[fmt](x)

@@ -35,32 +35,44 @@ def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
 
 
 class StreamLayer(CacheLayerMixin):
-    """A full-attention cache layer: the first `sink_tokens` tokens raw, the rest in a subclass's storage.
+    """A cache layer: the first `sink_tokens` tokens raw, the rest in a subclass's storage (the stream).
 
-    `update` stores the new tokens first and then returns the reconstruction of every cached token, the new ones
-    included, so attention always sees exactly what the cache stores.
+    `update` stores the new tokens first and then returns every cached token the model may attend to, the new ones
+    included, so attention always sees exactly what the cache stores. A sliding-window layer (`window`) evicts what
+    no later query can see (at its storage's granularity: whole groups) and returns what transformers' own
+    sliding-window layer returns: the last `window - 1` tokens before the new ones.
 
     Args:
         sink_tokens: number of first tokens kept raw (attention sinks), in the model's dtype or fp16 if wider.
         rope: the model's RoPE, when the storage works on pre-RoPE keys (see `hf_deltakv.rope`).
         positions: a shared log of position ids (needed with `rope`), one per cache.
+        window: the layer's sliding window (None: full attention).
     """
 
-    is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
 
-    def __init__(self, sink_tokens: int = 0, rope: RopeInverter | None = None, positions: PositionLog | None = None):
+    def __init__(
+        self,
+        sink_tokens: int = 0,
+        rope: RopeInverter | None = None,
+        positions: PositionLog | None = None,
+        window: int | None = None,
+    ):
         super().__init__()
         self.sink_tokens = sink_tokens
         self.rope = rope
         self.positions = positions
+        self.window = window
+        self.is_sliding = window is not None
         self._clear()
 
     def _clear(self) -> None:
         self._clear_stream()
         self.sink_keys = self.sink_values = None
         self.cumulative_length = 0
+        self.evicted = 0  # stream tokens dropped from the front (sliding window)
+        self.visible = 0  # first position the current forward's queries may see
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -72,10 +84,19 @@ class StreamLayer(CacheLayerMixin):
         self.sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
         self.is_initialized = True
 
+    def _check_continuation(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New tokens must continue what is cached: same batch, heads, widths, dtype and device."""
+        have = (self.batch_size, self.kv_heads, self.head_dim, self.value_dim, self.dtype, self.device)
+        got = (*key_states.shape[:2], key_states.shape[3], value_states.shape[3], key_states.dtype, key_states.device)
+        if have != got:
+            names = ("batch", "kv_heads", "head_dim", "value_dim", "dtype", "device")
+            diff = ", ".join(f"{n} {a} (new: {b})" for n, a, b in zip(names, have, got, strict=True) if a != b)
+            raise ValueError(f"new tokens do not continue this cache layer: it holds {diff}; call reset() first")
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens, then return reconstructed keys and values of all cached tokens.
+        """Store the new tokens, then return the keys and values attention may read, the new ones included.
 
         Args:
             key_states: new keys `[batch, kv_heads, new, head_dim]` (after RoPE, as models pass them).
@@ -83,25 +104,33 @@ class StreamLayer(CacheLayerMixin):
             kwargs: may hold `position_ids` (directly or under `kwargs`), used for pre-RoPE coding.
 
         Returns:
-            keys and values `[batch, kv_heads, cached + new, head_dim]` in the input dtype, as `StoredKV` tensors:
-            SDPA on them reads the packed storage (`sdpa`), anything else decodes it (`reconstruct`).
+            keys and values `[batch, kv_heads, visible + new, head_dim]` in the input dtype, as `StoredKV` tensors:
+            SDPA on them reads the packed storage (`sdpa`), anything else decodes it (`reconstruct`). A failed update
+            leaves the layer as it was.
         """
         _check_states(key_states, value_states)
+        if self.is_initialized:
+            self._check_continuation(key_states, value_states)
+        saved = self._snapshot()
+        try:
+            self._update(key_states, value_states, kwargs)
+        except BaseException:
+            self._restore(saved)
+            raise
+        shape = (self.batch_size, self.kv_heads, self.cumulative_length - self.visible)
+        return stored_pair(self, (*shape, self.head_dim), (*shape, self.value_dim), key_states.dtype, self.device)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
-            self.batch_size,
-            self.kv_heads,
-            self.head_dim,
-        ):
-            raise ValueError(
-                f"new keys {tuple(key_states.shape)} do not match the cached batch {self.batch_size}, "
-                f"{self.kv_heads} heads and head_dim {self.head_dim}"
-            )
         start, new = self.cumulative_length, key_states.shape[2]
+        if self.window is not None:  # this forward's queries see positions from start - window + 1 on
+            self.visible = max(start - self.window + 1, 0)
+            self._evict(self.visible)
+        if not new:
+            return
         if self.rope is not None:
             self.positions.record(start, new, _position_ids(kwargs, start, new, key_states))
-
         sink_new = min(max(self.sink_tokens - start, 0), new)
         if sink_new:
             sk, sv = key_states[:, :, :sink_new].to(self.sink_dtype), value_states[:, :, :sink_new].to(self.sink_dtype)
@@ -110,8 +139,49 @@ class StreamLayer(CacheLayerMixin):
         if new > sink_new:
             self._append_stream(key_states[:, :, sink_new:], value_states[:, :, sink_new:], start + sink_new)
         self.cumulative_length += new
-        shape = (self.batch_size, self.kv_heads, self.cumulative_length)
-        return stored_pair(self, (*shape, self.head_dim), (*shape, self.value_dim), key_states.dtype, self.device)
+
+    def _evict(self, visible: int) -> None:
+        """Drop what lies before position `visible`: the sinks, then whole pieces of the stream's storage."""
+        if visible >= self.sink_tokens and self.sink_keys is not None:
+            self.sink_keys = self.sink_values = None
+        want = visible - self.sink_tokens - self.evicted
+        if want > 0:
+            self.evicted += self._drop_stream_front(want)
+
+    def _drop_stream_front(self, tokens: int) -> int:
+        """Drop up to `tokens` tokens from the front of the stream's storage; returns how many (default: none)."""
+        return 0
+
+    def _first_stored(self) -> int:
+        """Position of the first token held (sinks included)."""
+        return (0 if self.sink_keys is not None else self.sink_tokens) + self.evicted
+
+    def _stored_mask(self, mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """A mask over the visible positions (`[batch, 1 | heads, n, visible + ...]`, None: causal) as a mask over
+        every position held: the held positions before `visible` (at most a group, sliding layers) masked out."""
+        leading = self.visible - self._first_stored()
+        if leading <= 0:
+            return mask
+        length = self.cumulative_length - self.visible
+        if mask is None:
+            mask = torch.ones(n, length, dtype=torch.bool, device=self.device).tril(diagonal=length - n)
+            mask = mask[None, None].expand(self.batch_size, 1, n, length)
+        hidden = torch.zeros(*mask.shape[:-1], leading, dtype=torch.bool, device=mask.device)
+        return torch.cat([hidden, mask], dim=-1)
+
+    def _snapshot(self) -> list[tuple[object, dict]]:
+        """Shallow copies of this layer's and its storage's attributes (stored tensors are never changed in place)."""
+        return [(obj, dict(vars(obj))) for obj in (self, *self._state_objects())]
+
+    @staticmethod
+    def _restore(saved: list[tuple[object, dict]]) -> None:
+        for obj, attributes in saved:
+            obj.__dict__.clear()
+            obj.__dict__.update(attributes)
+
+    def _state_objects(self) -> list[object]:
+        """Objects besides the layer whose attributes hold its state (codecs, the shared position log)."""
+        return [self.positions] if self.positions is not None else []
 
     def sdpa(
         self,
@@ -126,8 +196,8 @@ class StreamLayer(CacheLayerMixin):
         (`attend`), or None when the call is one to serve by decoding the history instead: a prefill (more than
         `ATTEND_MAX_QUERIES` queries), dropout, a float mask, or shapes SDPA itself would refuse."""
         batch, heads, n, dim = query.shape
-        length = self.cumulative_length
-        if dropout_p or n > ATTEND_MAX_QUERIES or heads % self.kv_heads or (heads != self.kv_heads and not enable_gqa):
+        length = self.cumulative_length - self.visible
+        if dropout_p or heads % self.kv_heads or (heads != self.kv_heads and not enable_gqa):
             return None
         if mask is not None:
             if mask.dtype != torch.bool or mask.dim() > 4:
@@ -135,27 +205,38 @@ class StreamLayer(CacheLayerMixin):
             mask = mask.view(*[1] * (4 - mask.dim()), *mask.shape)
             if mask.shape[1] not in (1, heads):
                 return None
-            mask = mask.expand(batch, mask.shape[1], n, length)
+            mask = mask.expand(batch, mask.shape[1], mask.shape[2], length)
         elif is_causal and n != length:  # SDPA's causal mask is top-left aligned: query i sees keys 0..i
             mask = torch.ones(n, length, dtype=torch.bool, device=query.device).tril()[None, None]
             mask = mask.expand(batch, 1, n, length)
         elif not is_causal and n > 1:
             mask = torch.ones(batch, 1, n, length, dtype=torch.bool, device=query.device)
         # Otherwise (one query, or causal over the whole history) `attend`'s own causal rule is SDPA's.
+        # transformers packs one decoded token's GQA query heads as rows of its kv head (a mask over one query row).
+        packed = mask is not None and mask.shape[2] == 1 and n > 1 and heads == self.kv_heads
+        self._observe_queries(query, 1 if packed else n)
+        if n > ATTEND_MAX_QUERIES:
+            return None
+        if mask is not None:
+            mask = mask.expand(batch, mask.shape[1], n, length)
         return self.attend(query, mask, scale if scale is not None else dim**-0.5).to(query.dtype)
 
+    def _observe_queries(self, query: torch.Tensor, positions: int) -> None:
+        """Hand the queries (the last `positions` positions) to storage that places bits by them (default: none)."""
+
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Attention of `query` over every cached token, read from storage chunk by chunk (see `attention`).
+        """Attention of `query` over every visible cached token, read from storage chunk by chunk.
 
         Args:
             query: `[batch, q_heads, n, head_dim]` (after RoPE).
-            mask: bool `[batch, 1 | q_heads, n, cached]`, True where allowed; None for causal.
+            mask: bool `[batch, 1 | q_heads, n, visible tokens]`, True where allowed; None for causal.
             scale: softmax scale.
 
         Returns:
             `[batch, q_heads, n, value_dim]` in fp32.
         """
-        state = OnlineSoftmax(query, scale, mask, self.cumulative_length)
+        mask = self._stored_mask(mask, query.shape[2])
+        state = OnlineSoftmax(query, scale, mask, self.cumulative_length - self._first_stored())
         if self.sink_keys is not None:
             state.add(self.sink_keys, self.sink_values)
         for keys, values in self._stream_chunks():
@@ -163,7 +244,7 @@ class StreamLayer(CacheLayerMixin):
         return state.result()
 
     def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys (with RoPE) and values of the tokens after the sinks, in order, in chunks (default: one)."""
+        """Keys (with RoPE) and values of the stream's stored tokens, in order, in chunks (default: one)."""
         stream = self._decode_stream()
         if stream is not None:
             yield stream
@@ -172,7 +253,8 @@ class StreamLayer(CacheLayerMixin):
         return self.positions.cos_sin(self.rope, begin, end, self.head_dim)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (with RoPE, as attention reads them) and values of every cached token, as the cache stores them."""
+        """Keys (with RoPE, as attention reads them) and values of every visible cached token, as the cache stores
+        them (`[batch, kv_heads, tokens, dim]` in the model's dtype)."""
         keys_parts, value_parts = [], []
         if self.sink_keys is not None:
             keys_parts.append(self.sink_keys.to(self.dtype))
@@ -181,7 +263,9 @@ class StreamLayer(CacheLayerMixin):
         if stream is not None:
             keys_parts.append(stream[0].to(self.dtype))
             value_parts.append(stream[1].to(self.dtype))
-        return torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
+        leading = self.visible - self._first_stored()
+        keys, values = torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
+        return (keys[:, :, leading:], values[:, :, leading:]) if leading > 0 else (keys, values)
 
     @abstractmethod
     def _clear_stream(self) -> None:
@@ -193,7 +277,7 @@ class StreamLayer(CacheLayerMixin):
 
     @abstractmethod
     def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys (with RoPE) and values of the tokens after the sinks, or None when there are none."""
+        """Keys (with RoPE) and values of the stream's stored tokens, or None when there are none."""
 
     @abstractmethod
     def _stream_nbytes(self) -> int:
@@ -203,14 +287,22 @@ class StreamLayer(CacheLayerMixin):
     def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply `fn` along the batch dimension of every stored tensor."""
 
+    @abstractmethod
+    def _truncate_stream(self, tokens: int) -> None:
+        """Keep the stream's first `tokens` stored tokens only."""
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        """(keys the next forward's mask covers, position of the first): transformers' own rule per layer kind."""
+        if self.window is None:
+            return self.cumulative_length + query_length, 0
+        offset = max(self.cumulative_length - self.window + 1, 0)
+        return self.cumulative_length - offset + query_length, offset
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.window is None else self.window
 
     def reset(self) -> None:
         self._clear()
@@ -220,7 +312,8 @@ class StreamLayer(CacheLayerMixin):
         return self._stream_nbytes() + nbytes_of([self.sink_keys, self.sink_values])
 
     def num_elements(self) -> int:
-        """Number of cached key and value scalars."""
+        """Number of cached key and value scalars (every token the layer has cached, evicted ones included: what a
+        cache of the model would hold is the reference for bits per element)."""
         if not self.is_initialized:
             return 0
         return self.batch_size * self.kv_heads * self.cumulative_length * (self.head_dim + self.value_dim)
@@ -249,13 +342,42 @@ class StreamLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices.to(t.device)] if isinstance(indices, torch.Tensor) else t[indices])
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
+    def activate_past_recording(self) -> None:
+        """transformers asks sliding layers to keep what a crop may need: ours evict only what is out of every later
+        query's window, so nothing is needed."""
+
+    def crop(self, max_length: int) -> None:
+        """Drop `-max_length` tokens from the end (transformers 5's semantics; 0 changes nothing); a positive value
+        is the number of tokens to keep (the earlier `DynamicCache.crop`).
+
+        Stored tokens before the cut keep their stored values; the closed-loop state of the storage is restored at the
+        cut (see each codec's `truncate`). Tokens a sliding window has evicted cannot come back: cutting into them
+        is refused.
+        """
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise ValueError(f"crop takes an integer number of tokens, got {max_length!r}")
+        keep = self.cumulative_length + max_length if max_length <= 0 else max_length
+        if keep >= self.cumulative_length:
             return
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot crop: its packed history is not re-encoded (assisted decoding needs a "
-            "croppable cache such as DynamicCache)"
-        )
+        if keep < 0:
+            raise ValueError(f"cannot crop {-max_length} tokens from a layer holding {self.cumulative_length}")
+        if keep < self._first_stored():
+            raise ValueError(
+                f"cannot crop to {keep} tokens: this sliding-window layer has evicted the tokens before position "
+                f"{self._first_stored()}"
+            )
+        saved = self._snapshot()
+        try:
+            if keep < self.sink_tokens and self.sink_keys is not None:
+                self.sink_keys, self.sink_values = self.sink_keys[:, :, :keep], self.sink_values[:, :, :keep]
+            self._truncate_stream(max(keep - self.sink_tokens - self.evicted, 0))
+            self.cumulative_length = keep
+            self.visible = min(self.visible, keep)
+            if self.positions is not None:
+                self.positions.truncate(keep)
+        except BaseException:
+            self._restore(saved)
+            raise
 
     def offload(self) -> None:
         """Offloading is not supported; the packed cache is already small."""
@@ -327,6 +449,12 @@ class PositionLog:
         if self.ids is not None:
             self.ids = fn(self.ids)
         self._forget_tables()
+
+    def truncate(self, tokens: int) -> None:
+        """Forget the positions from `tokens` on (a crop); every layer shares this log, so the first one cuts it."""
+        if self.ids is not None and self.ids.shape[1] > tokens:
+            self.ids = self.ids[:, :tokens]
+            self._forget_tables()
 
     def reset(self) -> None:
         self.ids = None

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import ops
+from ..codecs.adaptive import pair_energy
 from ..codecs.base import StreamCodec
 from ..ops.online_softmax import CHUNK_TOKENS
 from ..rope import RopeInverter, apply_rope
@@ -14,7 +15,7 @@ from .base import PositionLog, StreamLayer
 
 
 class CompressedLayer(StreamLayer):
-    """A full-attention cache layer whose keys and values live in packed codec storage.
+    """A cache layer whose keys and values live in packed codec storage.
 
     Args:
         key_codec: factory of the keys' codec.
@@ -22,6 +23,7 @@ class CompressedLayer(StreamLayer):
         sink_tokens: number of first tokens kept raw (attention sinks), in the model's dtype or fp16 if wider.
         rope: when given, keys are coded before RoPE (see `hf_deltakv.rope`).
         positions: a shared log of position ids (needed with `rope`), one per cache.
+        window: the layer's sliding window (None: full attention).
     """
 
     def __init__(
@@ -31,13 +33,19 @@ class CompressedLayer(StreamLayer):
         sink_tokens: int = 0,
         rope: RopeInverter | None = None,
         positions: PositionLog | None = None,
+        window: int | None = None,
     ) -> None:
         self._make_key_codec, self._make_value_codec = key_codec, value_codec
-        super().__init__(sink_tokens, rope, positions)
+        super().__init__(sink_tokens, rope, positions, window)
 
     def _clear_stream(self) -> None:
         self.key_codec = self._make_key_codec()
         self.value_codec = self._make_value_codec()
+
+    def _state_objects(self) -> list[object]:
+        codecs = [self.key_codec, self.value_codec]
+        codecs += [c.inner for c in codecs if hasattr(c, "inner")]
+        return [*super()._state_objects(), *codecs]
 
     def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
         keys = keys.float()
@@ -46,22 +54,35 @@ class CompressedLayer(StreamLayer):
         self.key_codec.append(keys)
         self.value_codec.append(values.float())
 
+    def _stream_begin(self) -> int:
+        """Position of the stream's first stored token."""
+        return self.sink_tokens + self.evicted
+
     def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.key_codec.length:
             return None
         keys = self.key_codec.decode()
         if self.rope is not None:
-            sinks = self.cumulative_length - keys.shape[2]
-            keys = self.rope.redo(keys, *self._cos_sin(sinks, self.cumulative_length))
+            keys = self.rope.redo(keys, *self._cos_sin(self._stream_begin(), self.cumulative_length))
         return keys, self.value_codec.decode()
+
+    def _observe_queries(self, query: torch.Tensor, positions: int) -> None:
+        energy = pair_energy(query)  # [batch, heads, rows, dim]
+        batch, heads, rows, dim = energy.shape
+        if positions == 1:  # every row is a query head of the newest position
+            energy = energy.reshape(batch, self.kv_heads, -1, dim).mean(2, keepdim=True)
+        else:
+            energy = energy.view(batch, self.kv_heads, heads // self.kv_heads, rows, dim).mean(2)
+        self.key_codec.observe(energy, self.cumulative_length - positions)
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Through `ops.stream_attention`: the fused kernel where one applies, else the chunked reference."""
         stored = self.key_codec.length
         if not stored or (mask is not None and mask.shape[1] != 1):  # per-head masks: the generic chunked path
             return super().attend(query, mask, scale)
-        cos, sin = self._stream_rope()
         batch, q_heads, n, dim = query.shape
+        mask = self._stored_mask(mask, n)
+        cos, sin = self._stream_rope()
         group = q_heads // self.kv_heads
         if self.sink_keys is not None:
             sink_keys, sink_values = self.sink_keys, self.sink_values
@@ -78,7 +99,7 @@ class CompressedLayer(StreamLayer):
             sin,
             mask[:, 0] if mask is not None else None,
             n,
-            self.cumulative_length - n,
+            self.cumulative_length - self._first_stored() - n,
             scale,
         )
         return out.reshape(batch, q_heads, n, self.value_dim)
@@ -94,12 +115,23 @@ class CompressedLayer(StreamLayer):
             yield keys, self.value_codec.decode_range(start, end)
 
     def _stream_rope(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """cos, sin `[batch, stored tokens, head_dim]` of the tokens after the sinks (None without pre-RoPE keys)."""
+        """cos, sin `[batch, stored tokens, head_dim]` of the stream's stored tokens (None without pre-RoPE keys)."""
         if self.rope is None:
             return None, None
-        sinks = self.cumulative_length - self.key_codec.length
-        cos, sin = self._cos_sin(sinks, self.cumulative_length)
+        cos, sin = self._cos_sin(self._stream_begin(), self.cumulative_length)
         return cos[:, 0], sin[:, 0]
+
+    def _drop_stream_front(self, tokens: int) -> int:
+        """Drop whole pieces both codecs can drop (the smaller of what each can), so they stay aligned."""
+        dropped = min(self.key_codec.droppable(tokens), self.value_codec.droppable(tokens))
+        if dropped:
+            self.key_codec.drop_front(dropped)
+            self.value_codec.drop_front(dropped)
+        return dropped
+
+    def _truncate_stream(self, tokens: int) -> None:
+        self.key_codec.truncate(tokens)
+        self.value_codec.truncate(tokens)
 
     def _stream_nbytes(self) -> int:
         return self.key_codec.nbytes() + self.value_codec.nbytes()

@@ -16,10 +16,19 @@ import torch
 
 from ..formats import QuantizedTensor, get_format
 from . import reference
-from .layout import ChannelStream, DeltaStream, PlainStream, SnapshotSchedule, StreamKind, StreamLayout
+from .layout import (
+    AdaptiveStream,
+    ChannelStream,
+    DeltaStream,
+    PlainStream,
+    SnapshotSchedule,
+    StreamKind,
+    StreamLayout,
+)
 from .reference import decode_stream, skip_matvec
 
 __all__ = [
+    "AdaptiveStream",
     "ChannelStream",
     "DeltaStream",
     "PlainStream",
@@ -69,12 +78,13 @@ def _encodes(fmt: str, dim: int) -> bool:
     return fmt != "f16" and dim % get_format(fmt).block_size == 0
 
 
-def quantize(x: torch.Tensor, fmt: str) -> QuantizedTensor:
+def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
     """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU (meant for a few rows: one decoded
-    token), the Triton kernel on GPUs, the reference otherwise; the same bytes on every path (tested)."""
+    token), the Triton kernel on GPUs (without `search_scale`), the reference otherwise; the same bytes on every path
+    (tested)."""
     if not _encodes(fmt, x.shape[-1]):
-        return reference.quantize(x, fmt)
-    if use_triton(x.device):
+        return reference.quantize(x, fmt, search_scale)
+    if use_triton(x.device) and not search_scale:
         from .triton.quantize import quantize as kernel
 
         return kernel(x, fmt)
@@ -82,8 +92,8 @@ def quantize(x: torch.Tensor, fmt: str) -> QuantizedTensor:
     if compiled is not None:
         from .cpu.encode import quantize as kernel
 
-        return kernel(x, fmt, compiled)
-    return reference.quantize(x, fmt)
+        return kernel(x, fmt, compiled, search_scale)
+    return reference.quantize(x, fmt, search_scale)
 
 
 def code_delta(x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool):
@@ -130,7 +140,7 @@ def stream_attention(
             from .cpu.stream_attention import stream_attention as kernel
             from .cpu.stream_attention import supports
 
-            if supports(keys) and supports(values):
+            if supports(keys, values):
                 return kernel(query, sink_keys, sink_values, keys, values, *args, compiled)
     return reference.stream_attention(query, sink_keys, sink_values, keys, values, *args)
 

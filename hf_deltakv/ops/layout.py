@@ -21,6 +21,7 @@ class StreamKind(IntEnum):
     PLAIN = 0
     DELTA = 1
     CHANNEL = 2
+    ADAPTIVE = 3
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,32 @@ class ChannelStream:
     kind: StreamKind = StreamKind.CHANNEL
 
 
-StreamLayout = PlainStream | DeltaStream | ChannelStream
+@dataclass(frozen=True)
+class AdaptiveStream:
+    """Per-channel groups with a bit depth per channel (`codecs.adaptive`).
+
+    Tokens are grouped by absolute position: group `g` covers slots `g * group ... (g + 1) * group - 1`, and the stream
+    starts at slot `offset` of group 0 (the slots before it are the raw sink tokens; they are coded as padding and
+    never read). Per group and channel: `bits` (1..8, two per byte as `formats.pack_4bit` packs them, `uint8
+    [batch, heads, groups, dim / 2]`), `low` and `step` (fp16 `[batch, heads, groups, dim]`), and codes as bit planes
+    (`formats.bitplanes`, `uint8 [batch, heads, groups, planes, group / 8]`): a value is `low + code * step`. `tail`:
+    fp16 `[batch, heads, t, dim]`, the tokens after the last coded group, raw until their group is complete.
+    """
+
+    planes: torch.Tensor | None
+    bits: torch.Tensor | None
+    low: torch.Tensor | None
+    step: torch.Tensor | None
+    tail: torch.Tensor
+    group: int
+    offset: int
+    dim: int
+    length: int
+    rotation: int = 0
+    kind: StreamKind = StreamKind.ADAPTIVE
+
+
+StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream
 
 
 def constants() -> dict[str, int]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import QuantizedTensor, dequantize, get_format, quantize
+from ..formats import QuantizedTensor, dequantize, get_format, quantize, unpack_4bit
+from ..formats.bitplanes import unpack_planes
 from ..rope import apply_rope
 from .hadamard import rotate
-from .layout import ChannelStream, DeltaStream, PlainStream, StreamLayout
+from .layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, StreamLayout
 from .online_softmax import CHUNK_TOKENS, OnlineSoftmax
 
 __all__ = [
@@ -229,6 +230,27 @@ def decode_channel(stream: ChannelStream, start: int, end: int) -> torch.Tensor:
     return torch.cat(parts, dim=2)[:, :, start - first * group : end - first * group]
 
 
+def decode_adaptive(stream: AdaptiveStream, start: int, end: int) -> torch.Tensor:
+    """Tokens `start:end` of an adaptive per-channel stream (only the groups overlapping the range are decoded)."""
+    group, offset = stream.group, stream.offset
+    coded = 0 if stream.planes is None else stream.planes.shape[2] * group - offset  # tokens in coded groups
+    parts, first_slot = [], 0
+    if start < coded:
+        first, last = (start + offset) // group, -(-(min(end, coded) + offset) // group)
+        bits = unpack_4bit(stream.bits[:, :, first:last]).to(torch.int64)
+        codes = unpack_planes(stream.planes[:, :, first:last], bits)  # [B, H, G, group, D]
+        low = stream.low[:, :, first:last].float().unsqueeze(3)
+        values = low + codes.float() * stream.step[:, :, first:last].float().unsqueeze(3)
+        batch, heads, groups, _, dim = values.shape
+        parts.append(values.reshape(batch, heads, groups * group, dim))
+        first_slot = first * group
+    else:
+        first_slot = coded + offset
+    parts.append(stream.tail.float())
+    slots = torch.cat(parts, dim=2)
+    return slots[:, :, start + offset - first_slot : end + offset - first_slot]
+
+
 def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
     """Reconstruct tokens `start <= t < end` of a stored stream, `[batch, heads, end - start, dim]` in fp32, in the
     original basis (a rotated stream is rotated back)."""
@@ -239,6 +261,8 @@ def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
         out = decode_delta(stream, start, end)
     elif isinstance(stream, ChannelStream):
         out = decode_channel(stream, start, end)
+    elif isinstance(stream, AdaptiveStream):
+        out = decode_adaptive(stream, start, end)
     else:
         raise TypeError(f"not a stream layout: {type(stream).__name__}")
     return rotate(out, inverse=True) if stream.rotation else out

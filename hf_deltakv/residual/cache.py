@@ -86,4 +86,5 @@ class ResidualKVCache(StreamCache):
             dataclasses.replace(self.layout, window=sys.maxsize) if raw else self.layout,
             self._rope(layer_idx),
             self.positions,
+            self._window(layer_idx),
         )

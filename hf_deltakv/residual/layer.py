@@ -42,9 +42,10 @@ class ResidualLayer(StreamLayer):
         layout: ResidualLayout,
         rope: RopeInverter | None = None,
         positions: PositionLog | None = None,
+        window: int | None = None,
     ) -> None:
         self.compressor, self.bits, self.layout = compressor, bits, layout
-        super().__init__(layout.sink_tokens, rope, positions)
+        super().__init__(layout.sink_tokens, rope, positions, window)
 
     def _clear_stream(self) -> None:
         self.window_keys = self.window_values = None  # raw, [B, H, <= window, D]
@@ -128,6 +129,18 @@ class ResidualLayer(StreamLayer):
         if not keys_parts:
             return None
         return torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
+
+    def _truncate_stream(self, tokens: int) -> None:
+        """A crop within the raw window drops raw tokens; coded tokens are not decoded back, so deeper is refused."""
+        if tokens < self.compressed:
+            raise ValueError(
+                f"ResidualKVCache crops only within its raw window of the last {self.layout.window} tokens: "
+                f"{self.compressed - tokens} coded tokens would have to be dropped"
+            )
+        keep = tokens - self.compressed
+        if self.window_keys is not None:
+            self.window_keys = self.window_keys[:, :, :keep]
+            self.window_values = self.window_values[:, :, :keep]
 
     def _stored(self) -> list:
         return [self.window_keys, self.window_values, self.references, self.codes, self.scales, self.reference_ids]

@@ -106,10 +106,40 @@ std::vector<torch::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64
   return {codes, scales, mins};
 }
 
+// q4_0 with the scale searched over `divisors` of the signed absmax (formats/blocks.py: quantize_q4_0 with
+// search_scale): the first divisor whose decoded block, with the stored fp16 scale, has the least squared error.
+void quantize_block_searched(const float* x, int64_t bs, const std::vector<double>& divisors, uint8_t* codes,
+                             at::Half* scale) {
+  bool finite = true;
+  int64_t imax = 0;
+  for (int64_t j = 0; j < bs; ++j) {
+    finite = finite && std::isfinite(x[j]);
+    if (j && std::fabs(x[j]) > std::fabs(x[imax])) imax = j;
+  }
+  std::vector<uint8_t> q(bs), best_q(bs);
+  float best_d = 0.f;
+  double best_err = 0.0;
+  for (size_t k = 0; k < divisors.size(); ++k) {
+    const float d = clampf(x[imax] / -static_cast<float>(divisors[k]), -FP16_MAX, FP16_MAX);
+    const float inv = reciprocal(d), stored = static_cast<float>(at::Half(d));
+    double err = 0.0;
+    for (int64_t j = 0; j < bs; ++j) {
+      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(x[j] * inv + 8.5f)), 0.f, 15.f));
+      const double e = static_cast<double>((static_cast<float>(q[j]) - 8.f) * stored - x[j]);
+      err += e * e;
+    }
+    if (k == 0 || err < best_err) best_err = err, best_d = d, best_q = q;
+  }
+  const int64_t half = bs / 2;
+  for (int64_t j = 0; j < half; ++j) codes[j] = best_q[j] | static_cast<uint8_t>(best_q[j + half] << 4);
+  *scale = at::Half(finite ? best_d : std::numeric_limits<float>::quiet_NaN());
+}
+
 }  // namespace
 
-// x: fp32 [rows, dim] contiguous. Returns {codes [rows, blocks, bytes], scales [rows, blocks], mins or empty}.
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs) {
+// x: fp32 [rows, dim] contiguous. Returns {codes [rows, blocks, bytes], scales [rows, blocks], mins or empty}. With
+// `divisors` (q4_0 family only), each block's scale is searched (quantize_block_searched).
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors) {
   const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
   auto out = allocate(rows, dim, bs, format, x);
   const float* px = x.data_ptr<float>();
@@ -119,7 +149,10 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t i = r * n_blocks + b;
-      quantize_block(px + r * dim + b * bs, bs, format, pc + i * bytes, ps + i, pm ? pm + i : nullptr);
+      if (!divisors.empty() && format == Q4_SYM)
+        quantize_block_searched(px + r * dim + b * bs, bs, divisors, pc + i * bytes, ps + i);
+      else
+        quantize_block(px + r * dim + b * bs, bs, format, pc + i * bytes, ps + i, pm ? pm + i : nullptr);
     }
   return out;
 }

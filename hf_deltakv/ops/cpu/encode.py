@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import QuantizedTensor, get_format
+from ...formats.blocks import SCALE_SEARCH
 
 
 def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> QuantizedTensor:
@@ -19,11 +20,12 @@ def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> Quanti
     )
 
 
-def quantize(x: torch.Tensor, fmt: str, extension) -> QuantizedTensor:
-    """`formats.quantize(x, fmt)` for fp32 `x [..., dim]`."""
+def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -> QuantizedTensor:
+    """`formats.quantize(x, fmt, search_scale)` for fp32 `x [..., dim]`."""
     dim = x.shape[-1]
+    divisors = list(SCALE_SEARCH) if search_scale else []
     codes, scales, mins = extension.quantize_rows(
-        x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size
+        x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size, divisors
     )
     return _packed(fmt, x.shape[:-1], dim, codes, scales, mins)
 

@@ -6,7 +6,7 @@
 torch::Tensor stream_attention(torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v, py::object key_layout,
                                py::object value_layout, torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
                                int64_t n_queries, int64_t causal_offset, double scale, int64_t split);
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs);
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
 std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, torch::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra);
 

@@ -25,7 +25,17 @@ namespace {
 #error "build through hf_deltakv.ops.cpu: the format and stream ids come from hf_deltakv.ops.layout.constants()"
 #endif
 enum Format : int64_t { F16 = HFD_KIND_F16, Q4_SYM = HFD_KIND_Q4_SYM, Q4_ASYM = HFD_KIND_Q4_ASYM, Q8 = HFD_KIND_Q8 };
-constexpr int TILE = 64;
+constexpr int TILE = 64;  // tokens per tile (and the largest adaptive group)
+
+// BIT_TABLE.v[byte][j]: bit j of `byte` as a float, so that a plane byte decodes 8 tokens with one vector add.
+struct BitTable {
+  alignas(32) float v[256][8];
+  BitTable() {
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < 8; ++j) v[b][j] = static_cast<float>((b >> j) & 1);
+  }
+};
+const BitTable BIT_TABLE;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 
@@ -153,6 +163,15 @@ struct Stream {
   int64_t snapshot_rows = 0;
   std::vector<int64_t> snapshot_points;
   int64_t snapshot_last = 0, snapshot_interval = 1;
+  // Adaptive per-channel groups (ops/layout.py: AdaptiveStream): bit planes, packed depths, low, step, raw tail.
+  bool adaptive = false;
+  int64_t group = 0, pad = 0, n_groups = 0, planes_per_group = 0, coded = 0, tail_rows = 0;
+  torch::Tensor planes_t, depths_t, low_t, step_t, tail_t;
+  const uint8_t* planes = nullptr;
+  const uint8_t* depths = nullptr;
+  const at::Half* low = nullptr;
+  const at::Half* step = nullptr;
+  const at::Half* tail = nullptr;
 
   Stream(const py::object& layout, int64_t dim_) : dim(dim_) {
     const int64_t kind = layout.attr("kind").cast<int64_t>();
@@ -163,7 +182,29 @@ struct Stream {
       plain = Blocks(layout.attr("blocks"), dim);
       return;
     }
-    TORCH_CHECK(kind == HFD_STREAM_DELTA, "the CPU kernel reads plain and delta streams, got kind ", kind);
+    if (kind == HFD_STREAM_ADAPTIVE) {
+      adaptive = true;
+      group = layout.attr("group").cast<int64_t>();
+      pad = layout.attr("offset").cast<int64_t>();
+      tail_t = layout.attr("tail").cast<torch::Tensor>().contiguous();
+      tail = tail_t.data_ptr<at::Half>();
+      tail_rows = tail_t.size(2);
+      if (!layout.attr("planes").is_none()) {
+        planes_t = layout.attr("planes").cast<torch::Tensor>().contiguous();
+        depths_t = layout.attr("bits").cast<torch::Tensor>().contiguous();
+        low_t = layout.attr("low").cast<torch::Tensor>().contiguous();
+        step_t = layout.attr("step").cast<torch::Tensor>().contiguous();
+        planes = planes_t.data_ptr<uint8_t>();
+        depths = depths_t.data_ptr<uint8_t>();
+        low = low_t.data_ptr<at::Half>();
+        step = step_t.data_ptr<at::Half>();
+        n_groups = planes_t.size(2);
+        planes_per_group = planes_t.size(3);
+      }
+      coded = n_groups ? n_groups * group - pad : 0;
+      return;
+    }
+    TORCH_CHECK(kind == HFD_STREAM_DELTA, "the CPU kernel reads plain, delta and adaptive streams, got kind ", kind);
     delta = true;
     deltas = Blocks(layout.attr("deltas"), dim);
     keyframes = Blocks(layout.attr("keyframes"), dim);
@@ -195,6 +236,11 @@ struct Stream {
   // token's (group, offset) in its keyframe group, advanced by the caller (no divisions per token); `mean` caches
   // the float copy of the current mean snapshot.
   void token(int64_t bh, int64_t t, Cursor& cur, float* running, float* out, float* scratch, MeanCache& mean) const {
+    if (adaptive) {  // a raw tail token (coded groups are decoded a group at a time, `group_tile`)
+      const at::Half* row = tail + (bh * tail_rows + (t - coded)) * dim;
+      for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>(row[c]);
+      return;
+    }
     if (!delta) {
       plain.row(bh * plain.rows_per_head + t, out);
       return;
@@ -247,6 +293,41 @@ struct Stream {
           r[k + HALF] = 0.f + static_cast<float>((cb[k] >> 4) - 8) * scale;
         }
       }
+    }
+  }
+
+  // Tokens at slots [j0, j0 + n) of coded group k of head bh, decoded channel-major into kt (row c holds channel c,
+  // `tile` floats apart): per channel, each of its planes adds step * 2^bit where a token's bit is set (one lookup of
+  // 8 tokens per plane byte).
+  void group_tile(int64_t bh, int64_t k, int64_t j0, int n, float* kt, int tile) const {
+    const int64_t width = group / 8;  // bytes per plane
+    const int64_t g = bh * n_groups + k;
+    const uint8_t* gp = planes + g * planes_per_group * width;
+    const uint8_t* gd = depths + g * (dim / 2);
+    const at::Half* gl = low + g * dim;
+    const at::Half* gs = step + g * dim;
+    alignas(64) float acc[TILE];
+    int64_t plane = 0;
+    for (int64_t c = 0; c < dim; ++c) {
+      // formats.pack_4bit: byte i holds channel i (low nibble) and channel i + dim/2 (high nibble)
+      const uint8_t packed = gd[c < dim / 2 ? c : c - dim / 2];
+      const int bits = c < dim / 2 ? (packed & 0x0F) : (packed >> 4);
+      const float s = static_cast<float>(gs[c]), lo = static_cast<float>(gl[c]);
+      std::fill(acc, acc + group, 0.f);
+      for (int b = 0; b < bits; ++b, ++plane) {
+        const uint8_t* bytes = gp + plane * width;
+        const float weight = s * static_cast<float>(1 << b);
+        for (int64_t i = 0; i < width; ++i) {
+          const float* bit = BIT_TABLE.v[bytes[i]];
+          float* a = acc + i * 8;
+#pragma omp simd
+          for (int j = 0; j < 8; ++j) a[j] += bit[j] * weight;
+        }
+      }
+      float* row = kt + c * tile;
+      const float* src = acc + j0;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) row[j] = lo + src[j];
     }
   }
 };
@@ -366,7 +447,10 @@ struct Args {
 template <int D>
 void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t item) {
   const int64_t bh = item / a.splits, b = bh / a.heads;
-  const int64_t t_begin = (item % a.splits) * a.split, t_end = std::min(a.length, t_begin + a.split);
+  // Items (and, for adaptive keys, tiles) start on group boundaries, which sit `shift` tokens before stream multiples.
+  const int64_t shift = keys.adaptive ? keys.pad : 0;
+  const int64_t t_begin = std::max<int64_t>((item % a.splits) * a.split - shift, 0);
+  const int64_t t_end = std::min(a.length, (item % a.splits + 1) * a.split - shift);
   const int64_t rows = a.rows;
   float* acc = a.part_acc + item * rows * D;
   float* m = a.part_max + item * rows;
@@ -382,17 +466,26 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   MeanCache k_mean, v_mean;
   std::vector<float> scores(rows * TILE);
   std::vector<uint8_t> allowed(rows * TILE);
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
-    const int n_tok = static_cast<int>(std::min<int64_t>(TILE, t_end - t0));
+  for (int64_t t0 = t_begin, t1; t0 < t_end; t0 = t1) {
+    t1 = std::min(t_end, t0 + TILE);
+    if (keys.adaptive) t1 = std::min(t1, ((t0 + shift) / keys.group + 1) * keys.group - shift);
+    const int n_tok = static_cast<int>(t1 - t0);
+    const int n_vec = (n_tok + 7) & ~7;  // scored columns: whole vectors
+    const bool grouped = keys.adaptive && t0 < keys.coded;  // keys of a coded group: decoded channel-major
     for (int j = 0; j < n_tok; ++j) {
-      keys.token(bh, t0 + j, k_cur, k_run, k_tile + j * D, scratch, k_mean);
+      if (!grouped) keys.token(bh, t0 + j, k_cur, k_run, k_tile + j * D, scratch, k_mean);
       values.token(bh, t0 + j, v_cur, v_run, v_tile + j * D, scratch, v_mean);
       k_cur.advance(keys.kf);
       v_cur.advance(values.kf);
     }
-    for (int j = n_tok; j < TILE; ++j) std::fill(k_tile + j * D, k_tile + (j + 1) * D, 0.f);
-    transpose_tile<D>(k_tile, kt);
-    hadamard_tile<D>(kt, keys.rotation);
+    if (grouped) {
+      keys.group_tile(bh, (t0 + shift) / keys.group, (t0 + shift) % keys.group, n_tok, kt, TILE);
+      for (int c = 0; c < D; ++c) std::fill(kt + c * TILE + n_tok, kt + c * TILE + n_vec, 0.f);
+    } else {
+      for (int j = n_tok; j < TILE; ++j) std::fill(k_tile + j * D, k_tile + (j + 1) * D, 0.f);
+      transpose_tile<D>(k_tile, kt);
+      hadamard_tile<D>(kt, keys.rotation);
+    }
     if (a.cos) {
       // cos/sin are channel-major [B, D, L]: row c holds channel c of every token.
       constexpr int HALF = D / 2;
@@ -417,12 +510,12 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       const int64_t i = r % a.n_queries;
       float* sr = scores.data() + r * TILE;
       uint8_t* ok = allowed.data() + r * TILE;
-      std::fill(sr, sr + TILE, 0.f);
+      std::fill(sr, sr + n_vec, 0.f);
       for (int c = 0; c < D; ++c) {
         const float qc = qr[c] * a.key_scale;
         const float* kc = kt + c * TILE;
 #pragma omp simd
-        for (int j = 0; j < TILE; ++j) sr[j] += qc * kc[j];
+        for (int j = 0; j < n_vec; ++j) sr[j] += qc * kc[j];
       }
       float tile_max = NEG_INF;
       for (int j = 0; j < n_tok; ++j) {
@@ -485,7 +578,8 @@ torch::Tensor stream_attention(
   a.mask_length = sinks + length;
   a.heads = heads, a.rows = rows, a.n_queries = n_queries, a.causal_offset = causal_offset, a.length = length;
   a.sinks = sinks;
-  a.split = split, a.splits = length ? (length + split - 1) / split : 0, a.scale = static_cast<float>(scale);
+  const int64_t shift = keys.adaptive ? keys.pad : 0;  // adaptive keys: items start on group boundaries
+  a.split = split, a.splits = length ? (length + shift + split - 1) / split : 0, a.scale = static_cast<float>(scale);
   a.key_scale = a.scale / (keys.rotation ? std::sqrt(static_cast<float>(keys.rotation)) : 1.0f);
   const int64_t items = batch * heads * a.splits;
   auto opts = query.options();

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..layout import DeltaStream, PlainStream, StreamLayout
+from ..layout import AdaptiveStream, DeltaStream, PlainStream, StreamLayout
 
 EMPTY_FLOAT = torch.empty(0)
 EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
@@ -18,17 +18,25 @@ def _tiles(q, dim: int) -> bool:
     return q is None or dim % q.fmt.block_size == 0
 
 
-def supports(stream: StreamLayout) -> bool:
-    """Plain streams, and delta streams coded against the previous token, whose blocks tile the head dimension."""
+def _reads(stream: StreamLayout) -> bool:
+    """Plain streams and delta streams coded against the previous token whose blocks tile the head dimension, and
+    adaptive per-channel streams."""
     if isinstance(stream, PlainStream):
         return _tiles(stream.blocks, stream.dim)
+    if isinstance(stream, AdaptiveStream):
+        return stream.dim % 2 == 0
     if isinstance(stream, DeltaStream):
-        return (
-            stream.reference == "previous"
-            and _tiles(stream.keyframes, stream.dim)
-            and _tiles(stream.deltas, stream.dim)
-        )
+        tiled = _tiles(stream.keyframes, stream.dim) and _tiles(stream.deltas, stream.dim)
+        return stream.reference == "previous" and tiled
     return False
+
+
+def supports(keys: StreamLayout, values: StreamLayout) -> bool:
+    """Whether the kernel reads this pair: both streams readable, adaptive only as keys, and work items that can
+    start on a boundary of both (adaptive groups offset by sinks never meet delta values' keyframes)."""
+    if not (_reads(keys) and _reads(values)) or isinstance(values, AdaptiveStream):
+        return False
+    return not (isinstance(keys, AdaptiveStream) and keys.offset and isinstance(values, DeltaStream))
 
 
 def _channel_major(table: torch.Tensor) -> torch.Tensor:
@@ -52,7 +60,7 @@ def stream_attention(
 ) -> torch.Tensor:
     """Run the compiled kernel; arguments as in `reference.stream_attention` (the C++ side reads the layouts' fields
     by name)."""
-    aligned = math.lcm(*(s.kf if isinstance(s, DeltaStream) else 1 for s in (keys, values)))
+    aligned = math.lcm(*(s.kf if isinstance(s, DeltaStream) else getattr(s, "group", 1) for s in (keys, values)))
     split = -(-TOKENS_PER_ITEM // aligned) * aligned  # delta streams: every work item starts on a keyframe
     return extension.stream_attention(
         query.float().contiguous(),
