@@ -172,7 +172,7 @@ def _stream(make, length: int, batch: int, heads: int, dim: int, seed: int):
 
 @pytest.mark.parametrize("key", list(CODECS))
 @pytest.mark.parametrize("value", ["q4_0", "delta-rot", "q8_0-rot", "kivi"])
-@pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "rope-sinks"])
+@pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "rope-sinks", "rope-compact"])
 def test_stream_attention_kernel_matches_reference(key, value, case):
     """The dispatched op (the compiled CPU kernel where it reads the storage) against `reference.stream_attention`
     on odd shapes: 77 tokens (not a multiple of the tile or of kf), GQA group 3, batch 2, with and without sinks."""
@@ -181,12 +181,14 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
     values = _stream(CODECS[value], length, batch, heads, dim, seed=2)
     g = torch.Generator().manual_seed(3)
     query = torch.randn(batch, heads, 3 * n, dim, generator=g)
-    sinks = 3 if case in ("rope-sinks", "masked") else 0
+    sinks = 3 if case in ("rope-sinks", "rope-compact", "masked") else 0
     sink_keys, sink_values = (torch.randn(batch, heads, sinks, dim, generator=g).half() for _ in range(2))
     cos = sin = mask = None
-    if case == "rope-sinks":
+    if case.startswith("rope"):
         angle = torch.rand(batch, length, dim // 2, generator=g) * 6
         cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        if case == "rope-compact":  # rotate-half tables given by their first half, as PositionLog hands them over
+            cos, sin = angle.cos(), angle.sin()
     if case == "masked":
         mask = torch.rand(batch, n, sinks + length, generator=g) > 0.3
         mask[1, :, :] = False  # a fully masked row: no key at all

@@ -31,10 +31,12 @@ def test_extension_builds():
 @given(
     arrays(np.float32, st.tuples(st.integers(1, 5), st.sampled_from([32, 64, 96])), elements=values),
     st.sampled_from(FORMATS),
+    st.booleans(),
 )
-def test_quantize_kernel_is_byte_identical(x, fmt):
+def test_quantize_kernel_is_byte_identical(x, fmt, search):
     t = torch.from_numpy(x + np.float32(0.0))
-    _same_bytes(ops.quantize(t, fmt), ops.reference.quantize(t, fmt))
+    search = search and fmt in ("q4_0", "q4_0_16")  # the scale search: the q4_0 family's encoder option
+    _same_bytes(ops.quantize(t, fmt, search), ops.reference.quantize(t, fmt, search))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -46,6 +48,10 @@ def test_quantize_kernel_on_edge_blocks(fmt):
     x[4, ::2] = -2.0
     x[5] = 7.5
     _same_bytes(ops.quantize(x, fmt), ops.reference.quantize(x, fmt))
+    if fmt in ("q4_0", "q4_0_16"):
+        _same_bytes(ops.quantize(x, fmt, True), ops.reference.quantize(x, fmt, True))
+    big = torch.randn(700, 3, 64)  # a prefill: rows spread over threads
+    _same_bytes(ops.quantize(big, fmt), ops.reference.quantize(big, fmt))
 
 
 @settings(max_examples=60, deadline=None)
@@ -67,3 +73,23 @@ def test_forced_reference_skips_the_encode_kernels(monkeypatch):
     monkeypatch.setattr("hf_deltakv.ops.cpu.encode.quantize", None)  # would raise if called
     x = torch.randn(2, 32)
     _same_bytes(ops.quantize(x, "q4_0"), ops.reference.quantize(x, "q4_0"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(group=st.sampled_from([8, 16, 32, 64]), dim=st.sampled_from([2, 8, 64]), seed=st.integers(0, 999))
+def test_bit_planes_kernels_match_the_reference(group, dim, seed):
+    """Packing (encode) and decoding whole adaptive groups in C++ against formats.bitplanes / reference."""
+    from hf_deltakv.codecs.adaptive import allocate_bits
+    from hf_deltakv.formats import pack_4bit
+    from hf_deltakv.formats.bitplanes import pack_planes
+    from hf_deltakv.ops.reference import decode_groups
+
+    g = torch.Generator().manual_seed(seed)
+    depths = allocate_bits(torch.rand(2, 3, dim, generator=g) * 100, 4 * dim)
+    codes = (torch.rand(2, 3, group, dim, generator=g) * (2 ** depths.unsqueeze(-2).float())).floor().to(torch.uint8)
+    planes = ops.pack_planes(codes, depths)
+    assert torch.equal(planes, pack_planes(codes, depths))
+    low, step = torch.randn(2, 3, dim).half(), torch.rand(2, 3, dim).half()
+    want = decode_groups(planes, pack_4bit(depths), low, step)
+    got = extension().decode_planes(*(t.flatten(0, 1) for t in (planes, pack_4bit(depths), low, step)))
+    assert torch.equal(got.view_as(want), want)

@@ -23,7 +23,7 @@ import torch
 
 from .. import ops
 from ..formats import FP16_MAX, pack_4bit
-from ..formats.bitplanes import MAX_BITS, pack_planes
+from ..formats.bitplanes import MAX_BITS
 from .base import StreamCodec, append_along_seq
 
 GROUPS = (8, 16, 32, 64)  # token group sizes (a plane is a whole number of bytes; the kernels read up to 64)
@@ -192,7 +192,7 @@ class AdaptiveChannelCodec(StreamCodec):
         inverse = torch.where(step_f > 0, 1.0 / step_f, torch.zeros_like(step_f))
         codes = ((x - low.float().unsqueeze(3)) * inverse).round().nan_to_num(0.0)
         codes = torch.minimum(codes.clamp_min(0), levels.unsqueeze(3).float()).to(torch.uint8)
-        return pack_planes(codes, depths), pack_4bit(depths), low, step
+        return ops.pack_planes(codes, depths), pack_4bit(depths), low, step
 
     def _coded_tokens(self) -> int:
         """Stream tokens held in coded groups (the first coded group may start after sink slots)."""

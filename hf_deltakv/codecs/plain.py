@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..formats import Kind, get_format, quantize
+from ..formats import Kind, get_format
 from .base import StreamCodec, append_along_seq
 
 
@@ -30,8 +30,7 @@ class PlainCodec(StreamCodec):
 
     def append(self, x: torch.Tensor) -> None:
         # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
-        search = self.search_scale
-        coded = ops.quantize(x, self.fmt, search) if x.shape[2] == 1 else quantize(x, self.fmt, search)
+        coded = ops.quantize(x, self.fmt, self.search_scale)
         self.stored = append_along_seq(self.stored, coded)
         self.length += x.shape[2]
 

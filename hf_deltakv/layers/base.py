@@ -249,8 +249,8 @@ class StreamLayer(CacheLayerMixin):
         if stream is not None:
             yield stream
 
-    def _cos_sin(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.positions.cos_sin(self.rope, begin, end, self.head_dim)
+    def _cos_sin(self, begin: int, end: int, compact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.positions.cos_sin(self.rope, begin, end, self.head_dim, compact)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (with RoPE, as attention reads them) and values of every visible cached token, as the cache stores
@@ -410,7 +410,9 @@ class PositionLog:
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per RoPE (rotary module, layer kind, head_dim): channel-major fp32 cos and sin of the positions so far,
+        # `[batch, head_dim, capacity]`, how many are filled, and whether the two halves of every row are equal.
+        self._tables: dict[tuple, list] = {}
 
     def record(self, start: int, new: int, ids: torch.Tensor) -> None:
         have = 0 if self.ids is None else self.ids.shape[1]
@@ -420,24 +422,38 @@ class PositionLog:
             raise ValueError(f"position log holds {have} tokens but a layer appended at {start}")
         ids = ids.to(torch.int32)
         self.ids = ids.clone() if self.ids is None else torch.cat([self.ids, ids], dim=1)
-        self._forget_tables()
 
-    def cos_sin(self, rope: RopeInverter, begin: int, end: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE cos/sin of tokens `begin:end`, computed once per step and shared by every layer that asks.
+    def cos_sin(
+        self, rope: RopeInverter, begin: int, end: int, head_dim: int, compact: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin of tokens `begin:end`, computed once per position and shared by every layer that asks.
 
-        fp32 `[batch, 1, end - begin, head_dim]`, stored channel-major (what the CPU attention kernel reads). A
-        working buffer recomputed whenever positions change, not cache storage, so not counted in `nbytes`.
+        fp32 `[batch, 1, end - begin, head_dim]` views of channel-major tables (what the CPU attention kernel reads),
+        extended as positions are recorded. With `compact`, and when both halves of every row are equal
+        (rotate-half RoPE), only the first half `[..., head_dim / 2]`. A working buffer, not cache storage, so not
+        counted in `nbytes`.
         """
-        key = (id(rope.rotary_emb), tuple(sorted(rope.extra.items())), begin, end, head_dim)
-        if key not in self._tables:
-            if len(self._tables) >= 4:
-                self._tables.clear()
-            channel_major = (
-                t.transpose(-1, -2).contiguous().transpose(-1, -2)
-                for t in rope.cos_sin(self.ids[:, begin:end], head_dim)
-            )
-            self._tables[key] = tuple(channel_major)
-        return self._tables[key]
+        key = (id(rope.rotary_emb), tuple(sorted(rope.extra.items())), head_dim)
+        entry = self._tables.get(key)
+        if entry is None or entry[0].shape[0] != self.ids.shape[0]:
+            batch = self.ids.shape[0]
+            empty = torch.empty(batch, head_dim, 0, device=self.ids.device)
+            entry = self._tables[key] = [empty, empty.clone(), 0, True]
+        cos_table, sin_table, filled, tied = entry
+        if filled < end:
+            cos, sin = (t[:, 0].transpose(1, 2) for t in rope.cos_sin(self.ids[:, filled:end], head_dim))
+            if cos_table.shape[2] < end:  # grow by doubling: appending a position is amortised O(1)
+                capacity = max(end, 2 * cos_table.shape[2], 64)
+                grown = [t.new_empty(t.shape[0], head_dim, capacity) for t in (cos_table, sin_table)]
+                for new, old in zip(grown, (cos_table, sin_table), strict=True):
+                    new[:, :, :filled] = old[:, :, :filled]
+                cos_table, sin_table = grown
+            cos_table[:, :, filled:end], sin_table[:, :, filled:end] = cos, sin
+            half = head_dim // 2
+            tied = tied and all(torch.equal(t[:, :half], t[:, half:]) for t in (cos, sin))
+            entry[:] = [cos_table, sin_table, end, tied]
+        width = head_dim // 2 if compact and tied else head_dim
+        return tuple(t[:, None, :width, begin:end].transpose(-1, -2) for t in (cos_table, sin_table))
 
     def _forget_tables(self) -> None:
         self._tables = {}
@@ -454,7 +470,8 @@ class PositionLog:
         """Forget the positions from `tokens` on (a crop); every layer shares this log, so the first one cuts it."""
         if self.ids is not None and self.ids.shape[1] > tokens:
             self.ids = self.ids[:, :tokens]
-            self._forget_tables()
+            for entry in self._tables.values():
+                entry[2] = min(entry[2], tokens)
 
     def reset(self) -> None:
         self.ids = None

@@ -82,7 +82,7 @@ class CompressedLayer(StreamLayer):
             return super().attend(query, mask, scale)
         batch, q_heads, n, dim = query.shape
         mask = self._stored_mask(mask, n)
-        cos, sin = self._stream_rope()
+        cos, sin = self._stream_rope(compact=True)
         group = q_heads // self.kv_heads
         if self.sink_keys is not None:
             sink_keys, sink_values = self.sink_keys, self.sink_values
@@ -114,11 +114,12 @@ class CompressedLayer(StreamLayer):
                 keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
             yield keys, self.value_codec.decode_range(start, end)
 
-    def _stream_rope(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """cos, sin `[batch, stored tokens, head_dim]` of the stream's stored tokens (None without pre-RoPE keys)."""
+    def _stream_rope(self, compact: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos, sin `[batch, stored tokens, head_dim]` of the stream's stored tokens (None without pre-RoPE keys);
+        `compact`: see `PositionLog.cos_sin`."""
         if self.rope is None:
             return None, None
-        cos, sin = self._cos_sin(self._stream_begin(), self.cumulative_length)
+        cos, sin = self._cos_sin(self._stream_begin(), self.cumulative_length, compact)
         return cos[:, 0], sin[:, 0]
 
     def _drop_stream_front(self, tokens: int) -> int:

@@ -25,7 +25,7 @@ from .layout import (
     StreamKind,
     StreamLayout,
 )
-from .reference import decode_stream, skip_matvec
+from .reference import skip_matvec
 
 __all__ = [
     "AdaptiveStream",
@@ -39,6 +39,7 @@ __all__ = [
     "decode_stream",
     "delta_encode_groups",
     "dequantize_latent",
+    "pack_planes",
     "quantize",
     "reference",
     "skip_matvec",
@@ -79,9 +80,8 @@ def _encodes(fmt: str, dim: int) -> bool:
 
 
 def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
-    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU (meant for a few rows: one decoded
-    token), the Triton kernel on GPUs (without `search_scale`), the reference otherwise; the same bytes on every path
-    (tested)."""
+    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU, the Triton kernel on GPUs (without
+    `search_scale`), the reference otherwise; the same bytes on every path (tested)."""
     if not _encodes(fmt, x.shape[-1]):
         return reference.quantize(x, fmt, search_scale)
     if use_triton(x.device) and not search_scale:
@@ -94,6 +94,34 @@ def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> Quantized
 
         return kernel(x, fmt, compiled, search_scale)
     return reference.quantize(x, fmt, search_scale)
+
+
+def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
+    """`reference.decode_stream`, dispatched: adaptive groups are decoded by the C++ kernel on the CPU."""
+    compiled = _cpu_extension(stream.tail.device) if isinstance(stream, AdaptiveStream) else None
+    if compiled is None:
+        return reference.decode_stream(stream, start, end)
+    reference.check_range(start, end, stream.length)
+
+    def groups(planes, bits, low, step):
+        lead = planes.shape[:-2]
+        flat = compiled.decode_planes(*(t.flatten(0, 2) for t in (planes, bits, low, step)))
+        return flat.view(*lead, *flat.shape[1:])
+
+    return reference.decode_adaptive(stream, start, end, groups)
+
+
+def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`formats.bitplanes.pack_planes`, dispatched: the C++ kernel on the CPU (the same bytes, tested)."""
+    compiled = _cpu_extension(codes.device)
+    if compiled is None:
+        from ..formats.bitplanes import pack_planes as reference_pack
+
+        return reference_pack(codes, bits)
+    lead, (group, dim) = codes.shape[:-2], codes.shape[-2:]
+    total = int(bits.reshape(-1, dim)[0].long().sum()) if bits.numel() else 0
+    flat = compiled.pack_planes(codes.reshape(-1, group, dim), bits.reshape(-1, dim), total)
+    return flat.view(*lead, total, group // 8)
 
 
 def code_delta(x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool):

@@ -230,19 +230,25 @@ def decode_channel(stream: ChannelStream, start: int, end: int) -> torch.Tensor:
     return torch.cat(parts, dim=2)[:, :, start - first * group : end - first * group]
 
 
-def decode_adaptive(stream: AdaptiveStream, start: int, end: int) -> torch.Tensor:
-    """Tokens `start:end` of an adaptive per-channel stream (only the groups overlapping the range are decoded)."""
+def decode_groups(planes: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Values of whole adaptive groups: planes `[..., P, group / 8]`, packed depths `[..., dim / 2]`, low and step
+    `[..., dim]` to fp32 `[..., group, dim]` (`low + code * step`)."""
+    codes = unpack_planes(planes, unpack_4bit(bits).to(torch.int64))
+    return low.float().unsqueeze(-2) + codes.float() * step.float().unsqueeze(-2)
+
+
+def decode_adaptive(stream: AdaptiveStream, start: int, end: int, groups=decode_groups) -> torch.Tensor:
+    """Tokens `start:end` of an adaptive per-channel stream (only the groups overlapping the range are decoded, by
+    `groups`: `decode_groups` or a kernel of the same signature)."""
     group, offset = stream.group, stream.offset
     coded = 0 if stream.planes is None else stream.planes.shape[2] * group - offset  # tokens in coded groups
     parts, first_slot = [], 0
     if start < coded:
         first, last = (start + offset) // group, -(-(min(end, coded) + offset) // group)
-        bits = unpack_4bit(stream.bits[:, :, first:last]).to(torch.int64)
-        codes = unpack_planes(stream.planes[:, :, first:last], bits)  # [B, H, G, group, D]
-        low = stream.low[:, :, first:last].float().unsqueeze(3)
-        values = low + codes.float() * stream.step[:, :, first:last].float().unsqueeze(3)
-        batch, heads, groups, _, dim = values.shape
-        parts.append(values.reshape(batch, heads, groups * group, dim))
+        pick = (t[:, :, first:last] for t in (stream.planes, stream.bits, stream.low, stream.step))
+        values = groups(*pick)  # [B, H, G, group, D]
+        batch, heads, groups_, _, dim = values.shape
+        parts.append(values.reshape(batch, heads, groups_ * group, dim))
         first_slot = first * group
     else:
         first_slot = coded + offset
@@ -292,7 +298,8 @@ def stream_attention(
             head's `g`-th query head.
         sink_keys, sink_values: `[batch, kv_heads, sinks, dim]` raw tokens (keys with RoPE); sinks may be 0.
         keys, values: the stored streams (same length; keys before RoPE when `cos` is given).
-        cos, sin: fp32 `[batch, stream tokens, dim]`: RoPE of every stored token, or None.
+        cos, sin: fp32 `[batch, stream tokens, dim]`: RoPE of every stored token, or None; `[..., dim / 2]` when the
+            two halves are equal (rotate-half RoPE) and only the first is given.
         mask: bool `[batch, n_queries, sinks + stream tokens]`, True where query `i` may attend; None: causal, token
             `u` (sinks counted) visible to query `i` when `u <= causal_offset + i`.
         scale: softmax scale.
@@ -303,6 +310,8 @@ def stream_attention(
     """
     batch, heads, rows, dim = query.shape
     sinks = sink_keys.shape[2]
+    if cos is not None and cos.shape[-1] != dim:  # compact tables: both halves are the first
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
     state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + n_queries)
     if sinks:

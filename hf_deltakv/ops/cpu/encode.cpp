@@ -4,6 +4,7 @@
 // arithmetic in the reference's order, with no fused multiply-adds.
 #pragma GCC optimize("fp-contract=off")
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
@@ -146,7 +147,8 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_
   uint8_t* pc = out[0].data_ptr<uint8_t>();
   at::Half* ps = out[1].data_ptr<at::Half>();
   at::Half* pm = out[2].numel() ? out[2].data_ptr<at::Half>() : nullptr;
-  for (int64_t r = 0; r < rows; ++r)
+  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r)
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t i = r * n_blocks + b;
       if (!divisors.empty() && format == Q4_SYM)
@@ -154,6 +156,7 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_
       else
         quantize_block(px + r * dim + b * bs, bs, format, pc + i * bytes, ps + i, pm ? pm + i : nullptr);
     }
+  });
   return out;
 }
 
@@ -218,4 +221,63 @@ std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, 
       for (int64_t j = 0; j < bs; ++j) pr[o + j] = ref[o + j] + values[j];
     }
   return {out[0], out[1], out[2], recon};
+}
+
+// Bit planes of per-channel codes (formats/bitplanes.py: pack_planes). codes uint8 [N, G, D] (G a multiple of 8),
+// depths uint8 [N, D] (each group's depths sum to `planes`). Returns uint8 [N, planes, G / 8].
+torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t planes) {
+  codes = codes.contiguous(), depths = depths.contiguous();
+  const int64_t n = codes.size(0), group = codes.size(1), dim = codes.size(2), width = group / 8;
+  auto out = torch::zeros({n, planes, width}, codes.options());
+  const uint8_t* pc = codes.data_ptr<uint8_t>();
+  const uint8_t* pd = depths.data_ptr<uint8_t>();
+  uint8_t* po = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t plane = 0;
+      for (int64_t c = 0; c < dim; ++c) {
+        const int bits = pd[g * dim + c];
+        TORCH_CHECK(plane + bits <= planes, "depths exceed the planes of a group");
+        for (int b = 0; b < bits; ++b, ++plane) {
+          uint8_t* row = po + (g * planes + plane) * width;
+          for (int64_t j = 0; j < group; ++j)
+            row[j / 8] |= static_cast<uint8_t>(((pc[(g * group + j) * dim + c] >> b) & 1) << (j % 8));
+        }
+      }
+      TORCH_CHECK(plane == planes, "depths of a group must sum to its planes");
+    }
+  });
+  return out;
+}
+
+// Decoded values of whole adaptive groups (ops/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed
+// depths uint8 [N, D / 2] (formats.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D].
+torch::Tensor decode_planes(torch::Tensor planes, torch::Tensor depths, torch::Tensor low, torch::Tensor step) {
+  planes = planes.contiguous(), depths = depths.contiguous(), low = low.contiguous(), step = step.contiguous();
+  const int64_t n = planes.size(0), count = planes.size(1), width = planes.size(2), group = width * 8;
+  const int64_t dim = low.size(1);
+  auto out = torch::empty({n, group, dim}, low.options().dtype(torch::kFloat32));
+  const uint8_t* pp = planes.data_ptr<uint8_t>();
+  const uint8_t* pd = depths.data_ptr<uint8_t>();
+  const at::Half* pl = low.data_ptr<at::Half>();
+  const at::Half* ps = step.data_ptr<at::Half>();
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> code(group);
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t plane = 0;
+      for (int64_t c = 0; c < dim; ++c) {
+        const uint8_t packed = pd[g * (dim / 2) + (c < dim / 2 ? c : c - dim / 2)];
+        const int bits = c < dim / 2 ? (packed & 0x0F) : (packed >> 4);
+        std::fill(code.begin(), code.end(), 0u);
+        for (int b = 0; b < bits; ++b, ++plane) {
+          const uint8_t* row = pp + (g * count + plane) * width;
+          for (int64_t j = 0; j < group; ++j) code[j] |= static_cast<uint32_t>((row[j / 8] >> (j % 8)) & 1) << b;
+        }
+        const float lo = static_cast<float>(pl[g * dim + c]), s = static_cast<float>(ps[g * dim + c]);
+        for (int64_t j = 0; j < group; ++j) po[(g * group + j) * dim + c] = lo + static_cast<float>(code[j]) * s;
+      }
+    }
+  });
+  return out;
 }

@@ -10,7 +10,12 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_
 std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, torch::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra);
 
+torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t planes);
+torch::Tensor decode_planes(torch::Tensor planes, torch::Tensor depths, torch::Tensor low, torch::Tensor step);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (formats/bitplanes.py)");
+  m.def("decode_planes", &decode_planes, "decoded values of whole adaptive groups (reference.decode_adaptive)");
   m.def("stream_attention", &stream_attention, "decode attention over packed codec storage");
   m.def("quantize_rows", &quantize_rows, "block quantization of rows (q4_0, q4_1, q8_0 families)");
   m.def("code_delta_rows", &code_delta_rows, "one closed-loop delta step (inter/intra per block)");

@@ -306,29 +306,54 @@ struct Stream {
     const uint8_t* gd = depths + g * (dim / 2);
     const at::Half* gl = low + g * dim;
     const at::Half* gs = step + g * dim;
-    alignas(64) float acc[TILE];
+    alignas(64) float whole[TILE];  // a group decoded whole when only part of it is asked for
+    const bool direct = j0 == 0 && n == group;
     int64_t plane = 0;
     for (int64_t c = 0; c < dim; ++c) {
       // formats.pack_4bit: byte i holds channel i (low nibble) and channel i + dim/2 (high nibble)
       const uint8_t packed = gd[c < dim / 2 ? c : c - dim / 2];
       const int bits = c < dim / 2 ? (packed & 0x0F) : (packed >> 4);
       const float s = static_cast<float>(gs[c]), lo = static_cast<float>(gl[c]);
-      std::fill(acc, acc + group, 0.f);
-      for (int b = 0; b < bits; ++b, ++plane) {
-        const uint8_t* bytes = gp + plane * width;
-        const float weight = s * static_cast<float>(1 << b);
-        for (int64_t i = 0; i < width; ++i) {
-          const float* bit = BIT_TABLE.v[bytes[i]];
-          float* a = acc + i * 8;
-#pragma omp simd
-          for (int j = 0; j < 8; ++j) a[j] += bit[j] * weight;
-        }
-      }
-      float* row = kt + c * tile;
-      const float* src = acc + j0;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) row[j] = lo + src[j];
+      float* row = direct ? kt + c * tile : whole;
+      decode_channel(gp + plane * width, bits, width, s, lo, row);
+      plane += bits;
+      if (!direct) std::copy(whole + j0, whole + j0 + n, kt + c * tile);
     }
+  }
+
+  // One channel of a group: out[j] = lo + step * code_j, code_j gathered from `bits` planes of `width` bytes.
+  static void decode_channel(const uint8_t* planes, int bits, int64_t width, float step, float lo, float* out) {
+#if defined(__AVX512F__)
+    // Each 16 bits of a plane are a lane mask: a set bit adds step * 2^b to its token.
+    for (int64_t chunk = 0; chunk + 2 <= width; chunk += 2) {
+      __m512 acc = _mm512_set1_ps(lo);
+      for (int b = 0; b < bits; ++b) {
+        uint16_t mask;
+        std::memcpy(&mask, planes + b * width + chunk, sizeof mask);
+        acc = _mm512_mask_add_ps(acc, mask, acc, _mm512_set1_ps(step * static_cast<float>(1 << b)));
+      }
+      _mm512_storeu_ps(out + chunk * 8, acc);
+    }
+    if (width % 2) {  // a group of 8 tokens: one byte per plane
+      const int64_t chunk = width - 1;
+      __m256 acc = _mm256_set1_ps(lo);
+      for (int b = 0; b < bits; ++b)
+        acc = _mm256_mask_add_ps(acc, planes[b * width + chunk], acc, _mm256_set1_ps(step * static_cast<float>(1 << b)));
+      _mm256_storeu_ps(out + chunk * 8, acc);
+    }
+#else
+    for (int64_t i = 0; i < width; ++i) {
+      float* a = out + i * 8;
+#pragma omp simd
+      for (int j = 0; j < 8; ++j) a[j] = lo;
+      for (int b = 0; b < bits; ++b) {
+        const float* bit = BIT_TABLE.v[planes[b * width + i]];
+        const float weight = step * static_cast<float>(1 << b);
+#pragma omp simd
+        for (int j = 0; j < 8; ++j) a[j] += bit[j] * weight;
+      }
+    }
+#endif
   }
 };
 
@@ -432,6 +457,45 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// scores[r][j] = sum_c q[r][c] * kt[c][j] for rows r < rows and columns j < cols (a multiple of 32, kt zero past
+// the tile's tokens): three rows and 32 columns at a time, their sums in registers, each key vector loaded once.
+template <int D>
+void tile_scores(const float* kt, const float* q, int64_t rows, int cols, float* scores) {
+  alignas(32) static const float zero_row[D] = {};
+  for (int j0 = 0; j0 < cols; j0 += 32) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 3) {
+      const float* qr[3];
+      for (int r = 0; r < 3; ++r) qr[r] = r0 + r < rows ? q + (r0 + r) * D : zero_row;
+#if defined(__AVX2__)
+      __m256 acc[3][4];
+      for (int r = 0; r < 3; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+      for (int c = 0; c < D; ++c) {
+        const float* kc = kt + c * TILE + j0;
+        const __m256 k0 = _mm256_load_ps(kc), k1 = _mm256_load_ps(kc + 8);
+        const __m256 k2 = _mm256_load_ps(kc + 16), k3 = _mm256_load_ps(kc + 24);
+        for (int r = 0; r < 3; ++r) {
+          const __m256 qc = _mm256_set1_ps(qr[r][c]);
+          acc[r][0] = _mm256_fmadd_ps(qc, k0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(qc, k1, acc[r][1]);
+          acc[r][2] = _mm256_fmadd_ps(qc, k2, acc[r][2]);
+          acc[r][3] = _mm256_fmadd_ps(qc, k3, acc[r][3]);
+        }
+      }
+      for (int64_t r = 0; r < 3 && r0 + r < rows; ++r)
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(scores + (r0 + r) * TILE + j0 + 8 * v, acc[r][v]);
+#else
+      for (int64_t r = 0; r < 3 && r0 + r < rows; ++r) {
+        float* out = scores + (r0 + r) * TILE + j0;
+        std::fill(out, out + 32, 0.f);
+        for (int c = 0; c < D; ++c)
+          for (int j = 0; j < 32; ++j) out[j] += qr[r][c] * kt[c * TILE + j0 + j];
+      }
+#endif
+    }
+  }
+}
+
 struct Args {
   const float* q;
   const float* cos;
@@ -439,6 +503,9 @@ struct Args {
   const uint8_t* mask;
   const uint8_t* mask_base;  // mask of all tokens, sinks first
   int64_t heads, rows, n_queries, causal_offset, length, split, splits, sinks, mask_length;
+  int64_t rope_batch_stride = 0, rope_row_stride = 0;
+  bool rope_tied = false;
+  int64_t heads_total = 0;  // batch * heads: items run split-major, so the heads of a split share its RoPE rows
   float scale, key_scale;  // key_scale: scale times the Hadamard normalisation of the keys
   float *part_acc, *part_max, *part_sum;
 };
@@ -446,11 +513,11 @@ struct Args {
 // One work item: tokens [t_begin, t_end) of head bh, into its own partial statistics.
 template <int D>
 void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t item) {
-  const int64_t bh = item / a.splits, b = bh / a.heads;
+  const int64_t bh = item % a.heads_total, split_index = item / a.heads_total, b = bh / a.heads;
   // Items (and, for adaptive keys, tiles) start on group boundaries, which sit `shift` tokens before stream multiples.
   const int64_t shift = keys.adaptive ? keys.pad : 0;
-  const int64_t t_begin = std::max<int64_t>((item % a.splits) * a.split - shift, 0);
-  const int64_t t_end = std::min(a.length, (item % a.splits + 1) * a.split - shift);
+  const int64_t t_begin = std::max<int64_t>(split_index * a.split - shift, 0);
+  const int64_t t_end = std::min(a.length, (split_index + 1) * a.split - shift);
   const int64_t rows = a.rows;
   float* acc = a.part_acc + item * rows * D;
   float* m = a.part_max + item * rows;
@@ -466,11 +533,13 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   MeanCache k_mean, v_mean;
   std::vector<float> scores(rows * TILE);
   std::vector<uint8_t> allowed(rows * TILE);
+  std::vector<float> q_scaled(rows * D);  // queries times the key scale, once per item
+  for (int64_t e = 0; e < rows * D; ++e) q_scaled[e] = qh[e] * a.key_scale;
   for (int64_t t0 = t_begin, t1; t0 < t_end; t0 = t1) {
     t1 = std::min(t_end, t0 + TILE);
     if (keys.adaptive) t1 = std::min(t1, ((t0 + shift) / keys.group + 1) * keys.group - shift);
     const int n_tok = static_cast<int>(t1 - t0);
-    const int n_vec = (n_tok + 7) & ~7;  // scored columns: whole vectors
+    const int n_vec = (n_tok + 31) & ~31;  // scored columns: whole blocks of 32 (see tile_scores)
     const bool grouped = keys.adaptive && t0 < keys.coded;  // keys of a coded group: decoded channel-major
     for (int j = 0; j < n_tok; ++j) {
       if (!grouped) keys.token(bh, t0 + j, k_cur, k_run, k_tile + j * D, scratch, k_mean);
@@ -487,16 +556,17 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       hadamard_tile<D>(kt, keys.rotation);
     }
     if (a.cos) {
-      // cos/sin are channel-major [B, D, L]: row c holds channel c of every token.
+      // cos/sin are channel-major [B, rows, L] (any batch and row strides): row c holds channel c of every token;
+      // with tied halves only the first D/2 rows are given (rotate-half RoPE repeats them).
       constexpr int HALF = D / 2;
-      const int64_t base = b * D * a.length + t0;
+      const int64_t base = b * a.rope_batch_stride + t0, second = a.rope_tied ? 0 : HALF;
       for (int c = 0; c < HALF; ++c) {
         float* lo = kt + c * TILE;
         float* hi = kt + (c + HALF) * TILE;
-        const float* cl = a.cos + base + c * a.length;
-        const float* sl = a.sin + base + c * a.length;
-        const float* ch = a.cos + base + (c + HALF) * a.length;
-        const float* sh = a.sin + base + (c + HALF) * a.length;
+        const float* cl = a.cos + base + c * a.rope_row_stride;
+        const float* sl = a.sin + base + c * a.rope_row_stride;
+        const float* ch = a.cos + base + (c + second) * a.rope_row_stride;
+        const float* sh = a.sin + base + (c + second) * a.rope_row_stride;
 #pragma omp simd
         for (int j = 0; j < n_tok; ++j) {
           const float x = lo[j], y = hi[j];
@@ -505,18 +575,11 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
         }
       }
     }
+    tile_scores<D>(kt, q_scaled.data(), rows, n_vec, scores.data());
     for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = qh + r * D;
       const int64_t i = r % a.n_queries;
       float* sr = scores.data() + r * TILE;
       uint8_t* ok = allowed.data() + r * TILE;
-      std::fill(sr, sr + n_vec, 0.f);
-      for (int c = 0; c < D; ++c) {
-        const float qc = qr[c] * a.key_scale;
-        const float* kc = kt + c * TILE;
-#pragma omp simd
-        for (int j = 0; j < n_vec; ++j) sr[j] += qc * kc[j];
-      }
       float tile_max = NEG_INF;
       for (int j = 0; j < n_tok; ++j) {
         const int64_t t = t0 + j;
@@ -544,12 +607,15 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
         for (int c = 0; c < D; ++c) ar[c] *= alpha;
       }
       m[r] = new_max;
+      alignas(64) float running[D];  // the row's weighted values, kept in registers over the tile
+      std::copy(ar, ar + D, running);
       for (int j = 0; j < n_tok; ++j) {
         const float p = sr[j];
         const float* v = v_tile + j * D;
-#pragma omp simd
-        for (int c = 0; c < D; ++c) ar[c] += p * v[c];
+#pragma omp simd aligned(running : 64)
+        for (int c = 0; c < D; ++c) running[c] += p * v[c];
       }
+      std::copy(running, running + D, ar);
     }
   }
 }
@@ -573,10 +639,16 @@ torch::Tensor stream_attention(
   a.q = query.data_ptr<float>();
   a.cos = cos.numel() ? cos.data_ptr<float>() : nullptr;
   a.sin = sin.numel() ? sin.data_ptr<float>() : nullptr;
+  if (a.cos) {
+    TORCH_CHECK(cos.stride(2) == 1 && sin.strides() == cos.strides(), "RoPE tables must be channel-major [B, D, L]");
+    TORCH_CHECK(cos.size(1) == dim || cos.size(1) * 2 == dim, "RoPE tables of another head dimension");
+    a.rope_batch_stride = cos.stride(0), a.rope_row_stride = cos.stride(1), a.rope_tied = cos.size(1) * 2 == dim;
+  }
   a.mask_base = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
   a.mask = a.mask_base;
   a.mask_length = sinks + length;
   a.heads = heads, a.rows = rows, a.n_queries = n_queries, a.causal_offset = causal_offset, a.length = length;
+  a.heads_total = batch * heads;
   a.sinks = sinks;
   const int64_t shift = keys.adaptive ? keys.pad : 0;  // adaptive keys: items start on group boundaries
   a.split = split, a.splits = length ? (length + shift + split - 1) / split : 0, a.scale = static_cast<float>(scale);
@@ -621,12 +693,12 @@ torch::Tensor stream_attention(
         sink_scores[u] = ok ? dot * a.scale : NEG_INF;
         top = std::max(top, sink_scores[u]);
       }
-      for (int64_t s = 0; s < a.splits; ++s) top = std::max(top, a.part_max[(bh * a.splits + s) * rows + r]);
+      for (int64_t s = 0; s < a.splits; ++s) top = std::max(top, a.part_max[(s * a.heads_total + bh) * rows + r]);
       if (top == NEG_INF) continue;
       float* o = po + (bh * rows + r) * dim;
       float total = 0.f;
       for (int64_t s = 0; s < a.splits; ++s) {
-        const int64_t item = bh * a.splits + s;
+        const int64_t item = s * a.heads_total + bh;
         const float m = a.part_max[item * rows + r];
         if (m == NEG_INF) continue;
         const float w = std::exp(m - top);

@@ -40,8 +40,10 @@ def supports(keys: StreamLayout, values: StreamLayout) -> bool:
 
 
 def _channel_major(table: torch.Tensor) -> torch.Tensor:
-    """`[batch, tokens, dim]` as the kernel reads it: a contiguous `[batch, dim, tokens]` (no copy when it is one)."""
-    return table.transpose(1, 2).contiguous()
+    """`[batch, tokens, width]` as the kernel reads it: `[batch, width, tokens]` with tokens contiguous (a view of
+    `PositionLog`'s tables; copied only when given otherwise)."""
+    table = table.transpose(1, 2)
+    return table if table.stride(2) == 1 else table.contiguous()
 
 
 def stream_attention(

@@ -26,6 +26,8 @@ def stream_attention(
     sink tokens merged by the reference's online softmax; None when no kernel reads them."""
     if n_queries != 1 or not isinstance(values, PlainStream):
         return None
+    if cos is not None and cos.shape[-1] != query.shape[-1]:  # compact RoPE tables: the kernels read full rows
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if isinstance(keys, DeltaStream):
         from .delta_attention import delta_attention, supports
 
