@@ -76,6 +76,54 @@ class StreamCodec(ABC):
                 setattr(self, name, fn(value))
 
 
+ROOM = 256  # tokens of room a growing store keeps ahead: appending a token copies nothing (not counted in bytes)
+
+
+class GrowingRows:
+    """Rows appended along the sequence dimension (2) into a buffer with room for `ROOM` more, so that appending one
+    token per decoding step does not copy the history each time. `view` holds the rows stored so far (a `tensor` or
+    `QuantizedTensor` over the buffer's leading rows): what codecs keep as state and count."""
+
+    def __init__(self) -> None:
+        self.buffer: State = None
+        self.view: State = None
+
+    def append(self, new: State) -> State:
+        have = 0 if self.view is None else _rows(self.view)
+        add = _rows(new)
+        if self.buffer is None or _rows(self.buffer) < have + add or self.view is None:
+            capacity = have + add + ROOM
+            grown = _map(new, lambda t: t.new_empty(*t.shape[:2], capacity, *t.shape[3:]))
+            if self.view is not None:
+                _copy(grown, self.view, 0)
+            self.buffer = grown
+        _copy(self.buffer, new, have)
+        self.view = _map(self.buffer, lambda t: t[:, :, : have + add])
+        return self.view
+
+    def reset(self, view: State) -> None:
+        """The stored rows were replaced (a crop, a batch reorder): start a new buffer on the next append."""
+        self.buffer, self.view = None, view
+
+
+def _rows(state: State) -> int:
+    return (state.codes if isinstance(state, QuantizedTensor) else state).shape[2]
+
+
+def _map(state: State, fn):
+    return state.map(fn) if isinstance(state, QuantizedTensor) else fn(state)
+
+
+def _copy(target: State, source: State, at: int) -> None:
+    pairs = (
+        zip(target.tensors(), source.tensors(), strict=True)
+        if isinstance(target, QuantizedTensor)
+        else [(target, source)]
+    )
+    for t, s in pairs:
+        t[:, :, at : at + s.shape[2]] = s
+
+
 def append_along_seq(stored: State, new: State) -> State:
     """Concatenate `new` after `stored` along the sequence dimension (2)."""
     if stored is None:

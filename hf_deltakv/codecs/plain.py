@@ -6,7 +6,7 @@ import torch
 
 from .. import ops
 from ..formats import Kind, get_format
-from .base import StreamCodec, append_along_seq
+from .base import GrowingRows, StreamCodec
 
 
 class PlainCodec(StreamCodec):
@@ -24,6 +24,7 @@ class PlainCodec(StreamCodec):
             raise ValueError(f"search_scale applies to the q4_0 family, not {fmt!r}")
         self.search_scale = search_scale
         self.stored = None
+        self._rows = GrowingRows()
 
     def state_names(self) -> tuple[str, ...]:
         return ("stored",)
@@ -31,7 +32,9 @@ class PlainCodec(StreamCodec):
     def append(self, x: torch.Tensor) -> None:
         # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
         coded = ops.quantize(x, self.fmt, self.search_scale)
-        self.stored = append_along_seq(self.stored, coded)
+        if self._rows.view is not self.stored:  # replaced since (batch reorder, crop): grow from it
+            self._rows.reset(self.stored)
+        self.stored = self._rows.append(coded)
         self.length += x.shape[2]
 
     def droppable(self, tokens: int) -> int:

@@ -56,17 +56,41 @@ struct Blocks {
     format = fmt.attr("kind").cast<int64_t>();
     block = fmt.attr("block_size").cast<int64_t>();
     n_blocks = dim / block;
-    codes_t = q.attr("codes").cast<torch::Tensor>().contiguous();
+    codes_t = rows_of(q.attr("codes").cast<torch::Tensor>());
     codes = reinterpret_cast<const uint8_t*>(codes_t.data_ptr());
-    rows_per_head = codes_t.dim() > 2 ? codes_t.size(2) : 0;
+    rows_per_head = codes_t.dim() > 2 ? head_rows(codes_t) : 0;
     if (!q.attr("scales").is_none()) {
-      scales_t = q.attr("scales").cast<torch::Tensor>().contiguous();
+      scales_t = rows_of(q.attr("scales").cast<torch::Tensor>());
       scales = scales_t.data_ptr<at::Half>();
+      TORCH_CHECK(head_rows(scales_t) == rows_per_head, "codes and scales of other layouts");
     }
     if (!q.attr("mins").is_none()) {
-      mins_t = q.attr("mins").cast<torch::Tensor>().contiguous();
+      mins_t = rows_of(q.attr("mins").cast<torch::Tensor>());
       mins = mins_t.data_ptr<at::Half>();
+      TORCH_CHECK(head_rows(mins_t) == rows_per_head, "codes and mins of other layouts");
     }
+  }
+
+  // `t` [B, H, rows, ...] as the row loops read it: contiguous, or the leading rows of a contiguous buffer with
+  // room for more (appended storage), read in place; anything else is copied.
+  static torch::Tensor rows_of(const torch::Tensor& t) {
+    if (t.dim() < 3) return t.contiguous();
+    int64_t row = 1;  // elements of one row, which must be contiguous
+    bool ok = true;
+    for (int64_t d = t.dim() - 1; d >= 3; --d) {
+      ok = ok && (t.size(d) == 1 || t.stride(d) == row);
+      row *= t.size(d);
+    }
+    ok = ok && (t.size(2) <= 1 || t.stride(2) == row) && t.stride(1) % row == 0 && t.stride(1) >= t.size(2) * row;
+    ok = ok && (t.size(0) == 1 || t.stride(0) == t.size(1) * t.stride(1));
+    return ok ? t : t.contiguous();
+  }
+
+  // Rows between one head's first row and the next one's (the buffer's capacity per head).
+  static int64_t head_rows(const torch::Tensor& t) {
+    int64_t row = 1;
+    for (int64_t d = 3; d < t.dim(); ++d) row *= t.size(d);
+    return t.stride(1) / row;
   }
 
   int64_t code_bytes() const { return format == Q8 ? block : block / 2; }
