@@ -208,7 +208,8 @@ def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
     assert supports(layer.key_codec.layout(), layer.value_codec.layout())
     kivi = ChannelGroupCodec("q4_1")
     kivi.append(torch.randn(1, 1, 40, 64))
-    assert not supports(kivi.layout(), layer.value_codec.layout())
+    assert supports(kivi.layout(), layer.value_codec.layout())  # KIVI-style keys
+    assert not supports(layer.value_codec.layout(), kivi.layout())  # per-channel groups are read as keys only
 
 
 def test_forced_reference_never_calls_the_kernel(monkeypatch):

@@ -187,8 +187,11 @@ struct Stream {
   int64_t snapshot_rows = 0;
   std::vector<int64_t> snapshot_points;
   int64_t snapshot_last = 0, snapshot_interval = 1;
-  // Adaptive per-channel groups (ops/layout.py: AdaptiveStream): bit planes, packed depths, low, step, raw tail.
-  bool adaptive = false;
+  // Tokens coded a group at a time per channel, then a raw fp16 tail: adaptive per-channel groups (ops/layout.py:
+  // AdaptiveStream: bit planes, packed depths, low, step) or KIVI-style channel blocks (ChannelStream: one block of
+  // `group` tokens per channel in a block format).
+  bool adaptive = false, channel = false, keyframe_reference = false;
+  Blocks channel_blocks;
   int64_t group = 0, pad = 0, n_groups = 0, planes_per_group = 0, coded = 0, tail_rows = 0;
   torch::Tensor planes_t, depths_t, low_t, step_t, tail_t;
   const uint8_t* planes = nullptr;
@@ -228,12 +231,28 @@ struct Stream {
       coded = n_groups ? n_groups * group - pad : 0;
       return;
     }
-    TORCH_CHECK(kind == HFD_STREAM_DELTA, "the CPU kernel reads plain, delta and adaptive streams, got kind ", kind);
+    if (kind == HFD_STREAM_CHANNEL) {
+      channel = true;
+      group = layout.attr("group").cast<int64_t>();
+      tail_t = layout.attr("tail").cast<torch::Tensor>().contiguous();
+      tail = tail_t.data_ptr<at::Half>();
+      tail_rows = tail_t.size(2);
+      const py::object groups = layout.attr("groups");
+      if (!groups.is_none()) {
+        // codes [B, H, G, D, 1, bytes]: a row per (group, channel), one block of `group` tokens each
+        channel_blocks = Blocks(groups, group);
+        n_groups = groups.attr("codes").cast<torch::Tensor>().size(2);
+      }
+      coded = n_groups * group;
+      return;
+    }
+    TORCH_CHECK(kind == HFD_STREAM_DELTA, "the CPU kernel reads plain, delta, channel and adaptive streams, got ", kind);
     delta = true;
     deltas = Blocks(layout.attr("deltas"), dim);
     keyframes = Blocks(layout.attr("keyframes"), dim);
     kf = layout.attr("kf").cast<int64_t>();
     intra = layout.attr("intra").cast<bool>();
+    keyframe_reference = layout.attr("reference").cast<std::string>() == "keyframe";
     const py::object m = layout.attr("means");
     if (intra && !m.is_none()) {
       means_t = m.cast<torch::Tensor>().contiguous();
@@ -260,7 +279,7 @@ struct Stream {
   // token's (group, offset) in its keyframe group, advanced by the caller (no divisions per token); `mean` caches
   // the float copy of the current mean snapshot.
   void token(int64_t bh, int64_t t, Cursor& cur, float* running, float* out, float* scratch, MeanCache& mean) const {
-    if (adaptive) {  // a raw tail token (coded groups are decoded a group at a time, `group_tile`)
+    if (adaptive || channel) {  // a raw tail token (coded groups are decoded a group at a time, `group_tile`)
       const at::Half* row = tail + (bh * tail_rows + (t - coded)) * dim;
       for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>(row[c]);
       return;
@@ -271,6 +290,16 @@ struct Stream {
     }
     if (cur.offset == 0) {
       keyframes.row(bh * keyframes.rows_per_head + cur.group, running);
+    } else if (keyframe_reference) {  // delta from the group's keyframe, which `running` keeps
+      const int64_t row = bh * deltas.rows_per_head + cur.group * (kf - 1) + cur.offset - 1;
+      const float* m = intra ? mean.at(means, bh * snapshot_rows, snapshots(t) - 1, dim) : nullptr;
+      const at::Half* s = deltas.row(row, scratch);
+      for (int64_t b = 0; b < deltas.n_blocks; ++b) {
+        const bool flagged = s && intra && (reinterpret_cast<const uint16_t*>(s)[b] & 1) != 0;
+        for (int64_t k = b * deltas.block; k < (b + 1) * deltas.block; ++k)
+          out[k] = (flagged ? (m ? m[k] : 0.f) : running[k]) + scratch[k];
+      }
+      return;
     } else {
       const int64_t row = bh * deltas.rows_per_head + cur.group * (kf - 1) + cur.offset - 1;
       const float* m = intra ? mean.at(means, bh * snapshot_rows, snapshots(t) - 1, dim) : nullptr;
@@ -324,14 +353,22 @@ struct Stream {
   // `tile` floats apart): per channel, each of its planes adds step * 2^bit where a token's bit is set (one lookup of
   // 8 tokens per plane byte).
   void group_tile(int64_t bh, int64_t k, int64_t j0, int n, float* kt, int tile) const {
+    alignas(64) float whole[TILE];  // a group decoded whole when only part of it is asked for
+    const bool direct = j0 == 0 && n == group;
+    if (channel) {  // one block of `group` tokens per channel, rows ordered (batch, head, group, channel)
+      for (int64_t c = 0; c < dim; ++c) {
+        float* row = direct ? kt + c * tile : whole;
+        channel_blocks.row((bh * n_groups + k) * dim + c, row);
+        if (!direct) std::copy(whole + j0, whole + j0 + n, kt + c * tile);
+      }
+      return;
+    }
     const int64_t width = group / 8;  // bytes per plane
     const int64_t g = bh * n_groups + k;
     const uint8_t* gp = planes + g * planes_per_group * width;
     const uint8_t* gd = depths + g * (dim / 2);
     const at::Half* gl = low + g * dim;
     const at::Half* gs = step + g * dim;
-    alignas(64) float whole[TILE];  // a group decoded whole when only part of it is asked for
-    const bool direct = j0 == 0 && n == group;
     int64_t plane = 0;
     for (int64_t c = 0; c < dim; ++c) {
       // formats.pack_4bit: byte i holds channel i (low nibble) and channel i + dim/2 (high nibble)
@@ -540,6 +577,7 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   const int64_t bh = item % a.heads_total, split_index = item / a.heads_total, b = bh / a.heads;
   // Items (and, for adaptive keys, tiles) start on group boundaries, which sit `shift` tokens before stream multiples.
   const int64_t shift = keys.adaptive ? keys.pad : 0;
+  const bool key_groups = keys.adaptive || keys.channel;
   const int64_t t_begin = std::max<int64_t>(split_index * a.split - shift, 0);
   const int64_t t_end = std::min(a.length, (split_index + 1) * a.split - shift);
   const int64_t rows = a.rows;
@@ -561,10 +599,10 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   for (int64_t e = 0; e < rows * D; ++e) q_scaled[e] = qh[e] * a.key_scale;
   for (int64_t t0 = t_begin, t1; t0 < t_end; t0 = t1) {
     t1 = std::min(t_end, t0 + TILE);
-    if (keys.adaptive) t1 = std::min(t1, ((t0 + shift) / keys.group + 1) * keys.group - shift);
+    if (key_groups) t1 = std::min(t1, ((t0 + shift) / keys.group + 1) * keys.group - shift);
     const int n_tok = static_cast<int>(t1 - t0);
     const int n_vec = (n_tok + 31) & ~31;  // scored columns: whole blocks of 32 (see tile_scores)
-    const bool grouped = keys.adaptive && t0 < keys.coded;  // keys of a coded group: decoded channel-major
+    const bool grouped = key_groups && t0 < keys.coded;  // keys of a coded group: decoded channel-major
     for (int j = 0; j < n_tok; ++j) {
       if (!grouped) keys.token(bh, t0 + j, k_cur, k_run, k_tile + j * D, scratch, k_mean);
       values.token(bh, t0 + j, v_cur, v_run, v_tile + j * D, scratch, v_mean);

@@ -7,34 +7,39 @@ import math
 
 import torch
 
-from ..layout import AdaptiveStream, DeltaStream, PlainStream, StreamLayout
+from ..layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, StreamLayout
 
 EMPTY_FLOAT = torch.empty(0)
 EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
 TOKENS_PER_ITEM = 256  # tokens per work item: items are spread over the threads, then merged
+TILE = 64  # tokens per tile of the kernel (stream_attention.cpp), the largest group it decodes at once
 
 
 def _tiles(q, dim: int) -> bool:
     return q is None or dim % q.fmt.block_size == 0
 
 
+GROUPED = (AdaptiveStream, ChannelStream)  # coded a group of tokens at a time per channel: read as keys only
+
+
 def _reads(stream: StreamLayout) -> bool:
-    """Plain streams and delta streams coded against the previous token whose blocks tile the head dimension, and
-    adaptive per-channel streams."""
+    """Plain and delta streams whose blocks tile the head dimension, and per-channel group streams (adaptive, and
+    KIVI-style blocks of at most a tile of tokens)."""
     if isinstance(stream, PlainStream):
         return _tiles(stream.blocks, stream.dim)
     if isinstance(stream, AdaptiveStream):
         return stream.dim % 2 == 0
+    if isinstance(stream, ChannelStream):
+        return stream.group <= TILE and (stream.groups is None or stream.groups.fmt.name != "f16")
     if isinstance(stream, DeltaStream):
-        tiled = _tiles(stream.keyframes, stream.dim) and _tiles(stream.deltas, stream.dim)
-        return stream.reference == "previous" and tiled
+        return _tiles(stream.keyframes, stream.dim) and _tiles(stream.deltas, stream.dim)
     return False
 
 
 def supports(keys: StreamLayout, values: StreamLayout) -> bool:
-    """Whether the kernel reads this pair: both streams readable, adaptive only as keys, and work items that can
-    start on a boundary of both (adaptive groups offset by sinks never meet delta values' keyframes)."""
-    if not (_reads(keys) and _reads(values)) or isinstance(values, AdaptiveStream):
+    """Whether the kernel reads this pair: both streams readable, per-channel groups only as keys, and work items
+    that can start on a boundary of both (adaptive groups offset by sinks never meet delta values' keyframes)."""
+    if not (_reads(keys) and _reads(values)) or isinstance(values, GROUPED):
         return False
     return not (isinstance(keys, AdaptiveStream) and keys.offset and isinstance(values, DeltaStream))
 
