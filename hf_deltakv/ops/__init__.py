@@ -55,9 +55,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+KERNEL_CHOICES = ("auto", "reference")  # values of HF_DELTAKV_KERNELS ("auto", the default: kernels where they run)
+
+
 def forced_reference() -> bool:
-    """`HF_DELTAKV_KERNELS=reference`: every op runs its PyTorch reference."""
-    return os.environ.get("HF_DELTAKV_KERNELS", "").lower() == "reference"
+    """`HF_DELTAKV_KERNELS=reference`: every op runs its PyTorch reference; any value but those allowed is refused."""
+    choice = os.environ.get("HF_DELTAKV_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"HF_DELTAKV_KERNELS must be one of {KERNEL_CHOICES}, got {choice!r}")
+    return choice == "reference"
 
 
 def use_triton(device: torch.device | str) -> bool:

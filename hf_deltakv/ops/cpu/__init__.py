@@ -2,18 +2,32 @@
 
 Why C++ here and not PyTorch: a decode step through a compressed cache is dozens of small elementwise passes over
 the whole history in eager PyTorch, each writing a full-precision temporary; one fused loop reads each packed byte
-once and keeps every intermediate in registers and a few kilobytes of scratch. When the build is impossible (no
-compiler) the callers fall back to the PyTorch reference, with one warning.
+once and keeps every intermediate in registers and a few kilobytes of scratch.
+
+Where the build goes, and why it never hangs: every build lives in a folder named after a hash of the sources, the
+flags and the versions of torch and Python, under `HF_DELTAKV_KERNEL_DIR` or `~/.cache/hf_deltakv/kernels`. A
+folder that already holds the built module is imported as it is (it may be read-only, e.g. shipped prebuilt). A build
+holds an OS lock (`fcntl.flock`), which the OS releases when the building process dies, so a killed build leaves
+nothing that blocks the next one (torch's own lock file, left by a killed build, is removed under it); another
+process waits for it at most `BUILD_WAIT_S` seconds. Whatever fails, the callers run the PyTorch reference, with one
+warning that names the cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import os
 import platform
+import sys
+import time
 import warnings
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("stream_attention.cpp", "encode.cpp", "module.cpp")]
+NAME = "hf_deltakv_cpu"
+BUILD_WAIT_S = 600  # how long a process waits for another one's build before running the reference
 
 
 def _flag_sets() -> list[tuple[list[str], list[str]]]:
@@ -27,26 +41,118 @@ def _flag_sets() -> list[tuple[list[str], list[str]]]:
     return [(["-O3", *native, "-fopenmp", *defines], ["-fopenmp"]), (["-O3", *native, *defines], [])]
 
 
+def kernel_dirs() -> list[Path]:
+    """Where built kernels are looked for: `HF_DELTAKV_KERNEL_DIR` (may be read-only), then the user cache."""
+    dirs = []
+    if os.environ.get("HF_DELTAKV_KERNEL_DIR"):
+        dirs.append(Path(os.environ["HF_DELTAKV_KERNEL_DIR"]))
+    root = os.environ.get("HF_DELTAKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_deltakv")
+    dirs.append(Path(root) / "kernels")
+    return dirs
+
+
+def build_key(cflags: list[str], ldflags: list[str]) -> str:
+    """The name of one build's folder: a hash of everything that changes the module."""
+    import torch
+
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for part in (*cflags, "|", *ldflags, torch.__version__, sys.version, platform.machine(), os.environ.get("CXX", "")):
+        digest.update(part.encode())
+    return f"cpu-{digest.hexdigest()[:16]}"
+
+
+def _import_built(folder: Path):
+    """The module built in `folder`, or None when there is none (torch names a rebuild in one process `NAME_v1`)."""
+    from torch.utils.cpp_extension import _import_module_from_library
+
+    built = sorted(folder.glob(f"{NAME}*.so")) if folder.is_dir() else []
+    if not built:
+        return None
+    return _import_module_from_library(built[-1].stem, str(folder), True)
+
+
+@contextlib.contextmanager
+def build_lock(path: Path, wait_s: float):
+    """An exclusive OS lock on `path` (released by the OS if this process dies); yields False when another process
+    held it for `wait_s` seconds."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): builds are not serialised
+        yield True
+        return
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.5)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(cflags: list[str], ldflags: list[str]):
+    """Import this build from any kernel folder, else build it in the first writable one."""
+    key = build_key(cflags, ldflags)
+    for root in kernel_dirs():
+        module = _import_built(root / key)
+        if module is not None:
+            return module
+    writable = [root for root in kernel_dirs() if _writable(root)]
+    if not writable:
+        raise RuntimeError(f"no writable folder to build the kernels in (tried {', '.join(map(str, kernel_dirs()))})")
+    root = writable[0]
+    folder = root / key
+    with build_lock(root / f"{key}.lock", BUILD_WAIT_S) as locked:
+        if not locked:
+            raise RuntimeError(f"another process has been building the kernels for {BUILD_WAIT_S} s ({folder})")
+        module = _import_built(folder)  # built by another process while this one waited
+        if module is not None:
+            return module
+        from torch.utils.cpp_extension import load
+
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "lock").unlink(missing_ok=True)  # torch's lock, left behind by a killed build: nobody holds it
+        print(f"hf_deltakv: building the CPU kernels for this machine (first use only, ~1 min) in {folder}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return load(
+            name=NAME,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            build_directory=str(folder),
+            verbose=False,
+        )
+
+
+def _writable(root: Path) -> bool:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(root, os.W_OK)
+
+
 @functools.cache
 def extension():
-    """The compiled module, or None when it cannot be built here (warns once)."""
-    from torch.utils.cpp_extension import load
-
+    """The compiled module, or None when it cannot be built or loaded here (warns once, naming the cause)."""
     errors = []
     for cflags, ldflags in _flag_sets():
         try:
-            return load(
-                name="hf_deltakv_cpu",
-                sources=[str(source) for source in SOURCES],
-                extra_cflags=cflags,
-                extra_ldflags=ldflags,
-                verbose=False,
-            )
-        except Exception as error:  # compiler, ninja or headers missing: the reference still works
-            errors.append(f"{type(error).__name__}: {error}")
+            return _build(cflags, ldflags)
+        except Exception as error:  # compiler, ninja or headers missing, a read-only disk: the reference still works
+            errors.append(f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}")
     warnings.warn(
-        f"hf_deltakv: the CPU kernels could not be built ({errors[-1]}); using the slower PyTorch reference. "
-        "Install a C++ compiler and `pip install ninja` to enable them.",
+        f"hf_deltakv: the CPU kernels are not available ({'; '.join(errors)}); using the slower PyTorch reference. "
+        "A C++ compiler and `pip install ninja` build them; HF_DELTAKV_KERNEL_DIR may point to prebuilt ones.",
         RuntimeWarning,
         stacklevel=2,
     )

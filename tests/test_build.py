@@ -1,0 +1,131 @@
+"""The CPU kernels' build never hangs and loads from where it can: stale locks, bounded waits, prebuilt read-only
+folders, the environment switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hf_deltakv import ops
+from hf_deltakv.ops import cpu
+
+
+def test_a_lock_held_elsewhere_is_waited_for_a_bounded_time_and_freed_when_its_holder_dies(tmp_path):
+    path = tmp_path / "build.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\nf = open(sys.argv[1], 'a+')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\ntime.sleep(60)", str(path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    with cpu.build_lock(path, wait_s=1.0) as locked:
+        assert not locked
+    assert time.monotonic() - started < 10
+    holder.kill()  # a build killed mid-way (Ctrl-C, OOM): the OS releases its lock
+    holder.wait()
+    with cpu.build_lock(path, wait_s=5.0) as locked:
+        assert locked
+
+
+def test_a_stale_torch_lock_is_removed_before_building(tmp_path, monkeypatch):
+    """torch's own build lock, left by a killed build, made every later process wait forever."""
+    monkeypatch.setenv("HF_DELTAKV_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_DELTAKV_CACHE", str(tmp_path / "cache"))  # no earlier build to import
+    cflags, ldflags = cpu._flag_sets()[0]
+    folder = tmp_path / cpu.build_key(cflags, ldflags)
+    folder.mkdir()
+    (folder / "lock").write_text("")
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen["stale lock"] = (folder / "lock").exists()
+        seen["folder"] = kwargs["build_directory"]
+        raise RuntimeError("not built in this test")
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    with pytest.raises(RuntimeError, match="not built"):
+        cpu._build(cflags, ldflags)
+    assert seen == {"stale lock": False, "folder": str(folder)}
+
+
+def test_a_prebuilt_kernel_loads_from_a_folder_it_cannot_write(tmp_path):
+    """Copy the built module to a folder, make every writable place unusable, and load it from there."""
+    assert cpu.extension() is not None
+    cflags, ldflags = cpu._flag_sets()[0]
+    key = cpu.build_key(cflags, ldflags)
+    source = next(root / key for root in cpu.kernel_dirs() if (root / key).is_dir())
+    prebuilt = tmp_path / "prebuilt" / key
+    prebuilt.mkdir(parents=True)
+    for built in source.glob(f"{cpu.NAME}*.so"):
+        (prebuilt / built.name).write_bytes(built.read_bytes())
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # HF_DELTAKV_CACHE under a file: nothing can be created there
+    env = {**os.environ, "HF_DELTAKV_KERNEL_DIR": str(prebuilt.parent), "HF_DELTAKV_CACHE": str(blocker / "x")}
+    os.chmod(prebuilt, 0o555)
+    code = "from hf_deltakv.ops.cpu import extension; assert extension() is not None; print('loaded')"
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", code], env=env, capture_output=True, text=True
+    )
+    os.chmod(prebuilt, 0o755)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded" in done.stdout and "building" not in done.stderr
+
+
+def test_kernel_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "garbage")
+    with pytest.raises(ValueError, match="HF_DELTAKV_KERNELS must be one of"):
+        ops.forced_reference()
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "Reference")
+    assert ops.forced_reference()
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "auto")
+    assert not ops.forced_reference()
+
+
+def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):
+    """`pip wheel .` carries every file the package needs: installed from the wheel (not this checkout), a decode step
+    is served by the compiled kernel, never by the PyTorch reference."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", root, "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel = next(tmp_path.glob("hf_deltakv-*.whl"))
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    for source in cpu.SOURCES:
+        assert f"hf_deltakv/ops/cpu/{source.name}" in names
+    assert "hf_deltakv/residual/checkpoints/smollm2-135m/compressor.safetensors" in names
+    target = tmp_path / "site"
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    smoke = """
+import torch, hf_deltakv
+from transformers import AutoModelForCausalLM, LlamaConfig
+from hf_deltakv import DeltaKVCache, ops
+assert hf_deltakv.__file__.startswith(TARGET), hf_deltakv.__file__
+def refuse(*args, **kwargs):
+    raise AssertionError("the reference served a decode step")
+ops.reference.stream_attention = refuse
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+model = AutoModelForCausalLM.from_config(config).eval()
+out = model.generate(torch.randint(3, 128, (1, 40)), max_new_tokens=4, do_sample=False, cache=DeltaKVCache(kf=32))
+print("decoded", out.shape[1])
+""".replace("TARGET", repr(str(target)))
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    done = subprocess.run([sys.executable, "-c", smoke], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "decoded 44" in done.stdout
