@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from .registry import CACHES
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit status 2, before any computation."""
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -13,6 +19,52 @@ def _ints(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(","))
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from err
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _check_text(source: str) -> None:
+    """A built-in text name or a readable UTF-8 text file."""
+    from .eval.texts import BUILTIN_TEXTS
+
+    for part in source.split("+"):
+        if part in BUILTIN_TEXTS:
+            continue
+        path = Path(part)
+        if not path.is_file():
+            raise UsageError(f"--text {part!r}: not one of {BUILTIN_TEXTS} and not a file")
+        try:
+            with path.open(encoding="utf-8") as handle:
+                handle.read(1 << 20)
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--text {part!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _check_out_folder(out: Path, files: tuple[str, ...], overwrite: bool) -> None:
+    """`out` can be written, and holds none of `files` unless `overwrite`: checked before any computation."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".hf-deltakv-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {out} cannot be written: {err.strerror or err}") from None
+    existing = [name for name in files if (out / name).exists()]
+    if existing and not overwrite:
+        raise UsageError(f"--out {out} already holds {', '.join(existing)}; pass --overwrite or another --out")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument(
         "--ctx", type=_ints, default=DEFAULT_CTX, help="context lengths, comma-separated (default %(default)s)"
     )
-    ppl.add_argument("--windows", type=int, default=DEFAULT_WINDOWS, help="windows of ctx tokens per measurement")
+    ppl.add_argument(
+        "--windows", type=_at_least(1), default=DEFAULT_WINDOWS, help="windows of ctx tokens per measurement"
+    )
     ppl.add_argument(
         "--caches",
         default=None,
@@ -48,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one-forward (each window in one pass) and/or chunked (half the window prefilled, the rest fed "
         "--chunk tokens at a time so scored tokens attend to stored history); default both",
     )
-    ppl.add_argument("--chunk", type=int, default=CHUNK, help="tokens per step of the chunked protocol")
+    ppl.add_argument("--chunk", type=_at_least(1), default=CHUNK, help="tokens per step of the chunked protocol")
     ppl.add_argument("--out", default="hf-deltakv-out", help="folder for ppl.json and the PNG plots")
+    ppl.add_argument("--overwrite", action="store_true", help="replace ppl.json and the plots if --out holds them")
     ppl.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
     ppl.add_argument("--no-progress", action="store_true")
     _add_train_parser(sub)
@@ -72,6 +127,7 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--out", default="residual-compressor", help="run folder (resumes when it holds a run)")
     for name in ("steps", "ctx", "warmup", "calibration_windows", "validation_windows", "save_every", "seed"):
         train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    # (bounds are checked by TrainConfig, before the model is loaded)
     for name in ("lr", "mse_weight", "rate", "key_weight"):
         train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     train.add_argument(
@@ -132,17 +188,17 @@ def default_caches(model: str | None = None) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "ppl":
-        return run_ppl(args)
-    if args.command == "train-residual":
-        return run_train_residual(args)
-    return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = {"ppl": run_ppl, "train-residual": run_train_residual}[args.command]
+    try:
+        return run(args)
+    except UsageError as err:
+        print(f"hf-deltakv {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def run_train_residual(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from .eval.texts import load_text
@@ -151,9 +207,6 @@ def run_train_residual(args: argparse.Namespace) -> int:
     from .residual.checkpoint import save_compressor
     from .residual.train import TrainConfig, train_residual
 
-    model, tokenizer = load_model(args.model)
-    text = "\n\n".join(load_text(part) for part in args.text.split("+"))
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
     names = (
         "steps",
         "ctx",
@@ -168,28 +221,59 @@ def run_train_residual(args: argparse.Namespace) -> int:
         "key_weight",
         "loss",
     )
-    config = TrainConfig(**{name: getattr(args, name) for name in names})
-    layout = ResidualLayout(args.stride, args.top_k, args.sink_tokens, args.window, args.reference_format)
-    compressor = train_residual(model, ids, args.out, config, layout, args.text, not args.no_progress)
+    try:
+        config = TrainConfig(**{name: getattr(args, name) for name in names})
+        layout = ResidualLayout(args.stride, args.top_k, args.sink_tokens, args.window, args.reference_format)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    _check_text(args.text)
+    _check_out_folder(Path(args.out), (), overwrite=True)  # a run folder resumes: only writability matters
+    model, tokenizer = load_model(args.model)
+    text = "\n\n".join(load_text(part) for part in args.text.split("+"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    try:
+        compressor = train_residual(model, ids, args.out, config, layout, args.text, not args.no_progress)
+    except ValueError as err:  # a text too short, a run folder of another model or layout
+        raise UsageError(str(err)) from None
     final = save_compressor(compressor, Path(args.out) / "final", dtype=torch.float16)
     print(f"wrote {final} (load with ResidualKVCache.from_pretrained({str(final)!r}, model=model))", file=sys.stderr)
     return 0
 
 
+PPL_FILES = ("ppl.json", "delta_vs_bits.png", "delta_vs_ctx.png")
+
+
 def run_ppl(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .compare import compare_caches, markdown_table, write_json
+    from .eval.perplexity import PROTOCOLS
     from .models import load_model
+    from .registry import parse_spec
 
+    if args.caches is not None and not split_specs(args.caches):
+        raise UsageError("--caches is empty; name at least one cache, e.g. --caches fp16,delta")
     caches = split_specs(args.caches) if args.caches else default_caches(args.model)
+    try:
+        for spec in caches:
+            parse_spec(spec)
+    except ValueError as err:
+        raise UsageError(f"--caches: {err}") from None
     protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
-    model, tokenizer = load_model(args.model)
-    result = compare_caches(
-        model, tokenizer, args.text, caches, args.ctx, args.windows, not args.no_progress, protocols, args.chunk
-    )
-    print(markdown_table(result))
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if not protocols or unknown:
+        raise UsageError(f"--protocols must name some of {PROTOCOLS}, got {args.protocols!r}")
+    if any(n < 2 for n in args.ctx):
+        raise UsageError(f"--ctx lengths must be at least 2 tokens, got {','.join(map(str, args.ctx))}")
+    _check_text(args.text)
     out = Path(args.out)
+    _check_out_folder(out, PPL_FILES, args.overwrite)
+    model, tokenizer = load_model(args.model)
+    try:
+        result = compare_caches(
+            model, tokenizer, args.text, caches, args.ctx, args.windows, not args.no_progress, protocols, args.chunk
+        )
+    except ValueError as err:  # a cache's parameters, a text too short for the windows
+        raise UsageError(str(err)) from None
+    print(markdown_table(result))
     write_json(result, out / "ppl.json")
     written = [out / "ppl.json"]
     if not args.no_plots:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict
@@ -108,9 +109,12 @@ def markdown_table(result: dict) -> str:
 
 
 def write_json(result: dict, path: str | Path) -> None:
+    """Write `result` as JSON atomically (a temporary file renamed over `path`): never a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 class _NoBar:

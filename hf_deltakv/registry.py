@@ -6,6 +6,7 @@ A spec is a name with optional parameters, e.g. `delta`, `delta:kf=64`, `q4_0`, 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,29 +88,65 @@ CACHES: dict[str, CacheEntry] = {
 }
 
 
-def _parse_value(text: str):
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
+TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _parameter_types(entry: CacheEntry) -> dict[str, str]:
+    """The annotation of each parameter of the entry's constructor, as written (`"bool"`, `"int | None"`, ...)."""
+    target = entry.cls.func if isinstance(entry.cls, partial) else entry.cls
     try:
-        return int(text)
-    except ValueError:
-        return text
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: str(p.annotation) for name, p in parameters.items() if p.annotation is not inspect.Parameter.empty}
+
+
+def _parse_value(text: str, annotation: str | None, key: str):
+    """`text` as the parameter's annotated type: booleans strictly (true/false, yes/no, on/off, 1/0), numbers as
+    numbers; without an annotation, the old guess (true/false, none, an integer, else the text)."""
+    lowered = text.lower()
+    if annotation is None:
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        if lowered == "none":
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    kinds = {part.strip() for part in annotation.split("|")}
+    if "None" in kinds and lowered == "none":
+        return None
+    if "bool" in kinds:
+        if lowered in TRUE or lowered in FALSE:
+            return lowered in TRUE
+        raise ValueError(f"cache parameter {key}={text!r}: expected true or false (yes/no, on/off, 1/0)")
+    for kind, convert in (("int", int), ("float", float)):
+        if kind in kinds:
+            try:
+                return convert(text)
+            except ValueError:
+                if kinds <= {kind, "None"}:
+                    raise ValueError(f"cache parameter {key}={text!r}: expected {kind}") from None
+    return text
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """`"delta:kf=64,values=q4_1"` -> `("delta", {"kf": 64, "values": "q4_1"})`."""
-    name, _, rest = spec.partition(":")
+    """`"delta:kf=64,values=q4_1"` -> `("delta", {"kf": 64, "values": "q4_1"})`; values take the type the cache's
+    constructor declares for them."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a cache spec must be a non-empty name such as 'delta', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
     if name not in CACHES:
         raise ValueError(f"unknown cache {name!r}; allowed: {sorted(CACHES)}")
+    types = _parameter_types(CACHES[name])
     params = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        key = key.strip()
         if not eq or not key:
             raise ValueError(f"cache parameter {item!r} in {spec!r} is not of the form key=value")
-        params[key.strip()] = _parse_value(value.strip())
+        params[key] = _parse_value(value.strip(), types.get(key), key)
     return name, params
 
 

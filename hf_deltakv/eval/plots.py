@@ -5,6 +5,7 @@ matplotlib is an optional extra (`pip install 'hf-deltakv[plots]'`); it is impor
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _MARKERS = {"one-forward": "o", "chunked": "s"}
@@ -72,9 +73,12 @@ def plot_delta_vs_ctx(result: dict, path: str | Path) -> Path:
 
 
 def _save(fig, path: str | Path) -> Path:
+    """Save atomically (a temporary file renamed over `path`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
     _pyplot().close(fig)
+    os.replace(tmp, path)
     return path

@@ -263,6 +263,11 @@ class StreamLayer(CacheLayerMixin):
         if stream is not None:
             keys_parts.append(stream[0].to(self.dtype))
             value_parts.append(stream[1].to(self.dtype))
+        if not keys_parts:  # nothing cached yet
+            empty = (self.batch_size, self.kv_heads, 0)
+            return torch.empty(*empty, self.head_dim, dtype=self.dtype), torch.empty(
+                *empty, self.value_dim, dtype=self.dtype
+            )
         leading = self.visible - self._first_stored()
         keys, values = torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
         return (keys[:, :, leading:], values[:, :, leading:]) if leading > 0 else (keys, values)

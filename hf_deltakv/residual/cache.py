@@ -53,7 +53,7 @@ class ResidualKVCache(StreamCache):
         if compressor is None:
             compressor = DEFAULT_COMPRESSOR
         if not isinstance(compressor, ResidualCompressor):
-            compressor = load_compressor(compressor)
+            compressor = load_compressor(compressor, model)  # checked against the model before allocating
         check_compatible(compressor.config, model)
         config = compressor.config
         self.compressor = compressor

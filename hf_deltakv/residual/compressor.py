@@ -126,6 +126,18 @@ class LayerCompressor(nn.Module):
 class ResidualCompressor(nn.Module):
     """All layers' compressors plus the config that says how their codes are laid out."""
 
+    @staticmethod
+    def parameter_shapes(config: ResidualConfig) -> dict[str, tuple[int, ...]]:
+        """The name and shape of every weight a compressor of `config` holds (what a checkpoint must contain)."""
+        stream, latent = config.stream_dim, config.latent_dim
+        shapes = {}
+        for layer in range(config.num_layers):
+            for name in ("key", "value"):
+                shapes[f"layers.{layer}.{name}_mean"] = (stream,)
+                shapes[f"layers.{layer}.{name}_encoder"] = (stream, latent)
+                shapes[f"layers.{layer}.{name}_decoder"] = (latent, stream)
+        return shapes
+
     def __init__(self, config: ResidualConfig) -> None:
         super().__init__()
         self.config = config

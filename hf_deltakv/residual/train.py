@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -82,6 +83,27 @@ class TrainConfig:
     save_every: int = 25
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """Refuse settings that would fail later, after minutes of fitting."""
+        checks = {
+            "steps": self.steps >= 1,
+            "ctx": self.ctx >= 2,
+            "lr": self.lr > 0,
+            "warmup": self.warmup >= 0,
+            "mse_weight": self.mse_weight >= 0,
+            "rate": 0 < self.rate <= 8,
+            "key_weight": self.key_weight > 0,
+            "calibration_windows": self.calibration_windows >= 1,
+            "validation_windows": self.validation_windows >= 0,
+            "save_every": self.save_every >= 1,
+        }
+        wrong = [name for name, ok in checks.items() if not ok]
+        if wrong:
+            bounds = "steps, calibration_windows, save_every >= 1; ctx >= 2; lr, key_weight > 0; 0 < rate <= 8"
+            raise ValueError(f"bad training settings {wrong} ({bounds}; warmup, mse_weight, validation_windows >= 0)")
+        if self.loss not in ("kl", "ce"):
+            raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
+
 
 def _learning_rate(step: int, config: TrainConfig) -> float:
     if step < config.warmup:
@@ -119,8 +141,16 @@ def _save_state(out: Path, compressor, optimizer, step: int, config: TrainConfig
     for i, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
             flat[f"{i}.{key}"] = torch.as_tensor(value).float().reshape(-1) if key == "step" else value
-    save_file(flat, str(out / OPTIMIZER_NAME))
-    (out / STATE_NAME).write_text(json.dumps({"step": step, "config": vars(config), "text": text_name}) + "\n")
+    # Each file is written beside its name and renamed over it; the step is written last, so a run killed at any
+    # point resumes from a complete save.
+    save_file(flat, str(out / f"{OPTIMIZER_NAME}.tmp"))
+    os.replace(out / f"{OPTIMIZER_NAME}.tmp", out / OPTIMIZER_NAME)
+    state = {"step": step, "config": vars(config), "text": text_name}
+    (out / f"{STATE_NAME}.tmp").write_text(json.dumps(state) + "\n")
+    os.replace(out / f"{STATE_NAME}.tmp", out / STATE_NAME)
+
+
+RESUME_MUST_MATCH = ("rate", "key_weight", "loss", "ctx", "seed")  # what a resumed run cannot change
 
 
 def _load_optimizer(out: Path, optimizer: torch.optim.Optimizer) -> None:
@@ -164,8 +194,17 @@ def train_residual(
     model.eval().requires_grad_(False)
     start_step = 0
     if (out / STATE_NAME).is_file():
-        compressor = load_compressor(out / "checkpoint")
-        start_step = json.loads((out / STATE_NAME).read_text())["step"]
+        saved = json.loads((out / STATE_NAME).read_text())
+        compressor = load_compressor(out / "checkpoint", model)  # refuses a compressor of another model
+        if compressor.config.layout != layout:
+            raise ValueError(
+                f"{out} holds a run with layout {compressor.config.layout}, not {layout}: resume it with the same "
+                "layout, or train into another folder"
+            )
+        changed = [k for k in RESUME_MUST_MATCH if saved["config"].get(k) != getattr(config, k)]
+        if changed:
+            raise ValueError(f"{out} holds a run with other {changed}; resume it with the same, or use another folder")
+        start_step = saved["step"]
     else:
         size = config.calibration_windows * config.ctx
         stride = max((train_ids.numel() - size) // max(config.calibration_windows, 1), config.ctx)
