@@ -5,13 +5,14 @@ hand freed memory back to the OS (malloc_trim) and reset the peak-RSS mark (/pro
 `--new` tokens greedily one at a time. Reported: decode tokens/s; peak memory while decoding above the loaded
 model (the cache plus every transient buffer, such as a dequantized history); and the cache's bytes at the end
 (our caches count their own; for transformers' caches every tensor they hold is counted, the full-precision
-window included). All rows come from one invocation, so ratios are comparable; absolute numbers depend on the
-machine.
+window included), and prefill tokens/s. Every configuration runs once per round, `--rounds` rounds in a rotating
+order, and each figure is the median over rounds, so drift on a noisy machine hits all alike; ratios are against
+`dynamic` at the same context and dtype, measured in the same invocation.
 
 Our caches serve attention from their packed storage by default (`StoredKV`); nothing else is needed.
 
-    python benchmarks/decode_speed.py                       # 1K, 4K and 8K context, ~20 min on 2 cores
-    python benchmarks/decode_speed.py --ctx 1024,4096,8192 --caches dynamic,delta,delta+attn
+    python benchmarks/decode_speed.py                       # 1K, 4K, 8K; fp32 and bf16; 3 rounds: ~90 min on 2 cores
+    python benchmarks/decode_speed.py --ctx 4096 --caches dynamic,delta --dtypes float32 --rounds 2
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,14 +41,14 @@ def _rss_kib(field: str) -> int:
 
 
 @torch.no_grad()
-def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
+def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
     """Prefill `ctx` tokens of `text` through a fresh `spec` cache, then decode `new` tokens; one process each."""
     from hf_deltakv.eval.perplexity import cache_bits, kv_elements
     from hf_deltakv.eval.texts import load_text
     from hf_deltakv.models import load_model
     from hf_deltakv.registry import build_cache
 
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(dtype=getattr(torch, dtype))
     ids = tokenizer(load_text(text), return_tensors="pt").input_ids[:, :ctx]
     if ids.shape[1] < ctx:
         raise ValueError(f"{text} has only {ids.shape[1]} tokens, {ctx} asked")
@@ -72,8 +74,10 @@ def measure_one(spec: str, ctx: int, new: int, text: str) -> dict:
     return {
         "cache": spec,
         "ctx": ctx,
+        "dtype": dtype,
         "new": new,
         "prefill_s": prefill,
+        "prefill_tokens_per_s": ctx / prefill,
         "decode_tokens_per_s": new / decode,
         "decode_peak_mib": (_rss_kib("VmHWM") - baseline) / 1024,
         "cache_mib": nbytes / 2**20,
@@ -88,46 +92,71 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=32, help="tokens decoded after the prompt")
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--text", default="stdlib-code", help="built-in text or file (needs >= ctx tokens)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one cache
     args = parser.parse_args(argv)
 
     if args.one:
-        print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.text)))
+        print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.text, args.dtypes)))
         return 0
-    rows = []
-    for ctx in (int(c) for c in args.ctx.split(",")):
-        for spec in args.caches.split(","):
+    configs = [
+        (spec, int(ctx), dtype)
+        for ctx in args.ctx.split(",")
+        for dtype in args.dtypes.split(",")
+        for spec in args.caches.split(",")
+    ]
+    runs: dict[tuple, list[dict]] = {config: [] for config in configs}
+    for round_ in range(args.rounds):
+        shift = round_ % len(configs)
+        for spec, ctx, dtype in configs[shift:] + configs[:shift]:
             cmd = [sys.executable, __file__, "--one", spec, "--ctx", str(ctx), "--new", str(args.new)]
-            done = subprocess.run([*cmd, "--text", args.text], capture_output=True, text=True, env=os.environ)
+            cmd += ["--text", args.text, "--dtypes", dtype]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
             if done.returncode:
-                raise RuntimeError(f"{spec} at {ctx} failed:\n{done.stderr[-2000:]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"  {spec} @ {ctx}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+                raise RuntimeError(f"{spec} at {ctx} ({dtype}) failed:\n{done.stderr[-2000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[(spec, ctx, dtype)].append(result)
+            speed = result["decode_tokens_per_s"]
+            print(f"  round {round_ + 1}: {spec} @ {ctx} {dtype}: {speed:.1f} tok/s", file=sys.stderr)
+    rows = [_median(results) for results in runs.values()]
     print(markdown(rows))
-    config = {"ctx": args.ctx, "new": args.new, "text": args.text, "caches": args.caches, "date": time.strftime("%F")}
+    config = {**vars(args), "date": time.strftime("%F")}
+    config.pop("one")
     Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 
 
+def _median(results: list[dict]) -> dict:
+    """One row: the median of every timing over the rounds (bytes do not vary)."""
+    row = dict(results[0])
+    for key in ("prefill_s", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_peak_mib"):
+        row[key] = statistics.median(r[key] for r in results)
+    row["rounds"] = len(results)
+    return row
+
+
 def markdown(rows: list[dict]) -> str:
-    """One table; speed ratios are against `dynamic` and `hf-hqq` at the same context."""
-    by_ctx = {(r["cache"], r["ctx"]): r for r in rows}
+    """One table; speed ratios are against `dynamic` at the same context and dtype (medians over rounds)."""
+    by_key = {(r["cache"], r["ctx"], r.get("dtype", "float32")): r for r in rows}
     lines = [
-        "| cache | ctx | decode tokens/s | vs dynamic | vs hf-hqq | peak memory decoding (MiB) | cache (MiB) "
-        "| bits/element |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| cache | ctx | dtype | decode tokens/s | vs dynamic | prefill tokens/s | vs dynamic "
+        "| peak memory decoding (MiB) | cache (MiB) | bits/element |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def ratio(r: dict, name: str) -> str:
-        ref = by_ctx.get((name, r["ctx"]))
-        return f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x" if ref else "—"
+    def ratio(r: dict, field: str) -> str:
+        ref = by_key.get(("dynamic", r["ctx"], r.get("dtype", "float32")))
+        return f"{r[field] / ref[field]:.2f}x" if ref and field in r and field in ref else "—"
 
     for r in rows:
+        prefill = f"{r['prefill_tokens_per_s']:.0f}" if "prefill_tokens_per_s" in r else "—"
         lines.append(
-            f"| {r['cache']} | {r['ctx']} | {r['decode_tokens_per_s']:.1f} | {ratio(r, 'dynamic')} | "
-            f"{ratio(r, 'hf-hqq')} | {r['decode_peak_mib']:.1f} | {r['cache_mib']:.2f} | {r['bits_per_element']:.2f} |"
+            f"| {r['cache']} | {r['ctx']} | {r.get('dtype', 'float32')} | {r['decode_tokens_per_s']:.1f} | "
+            f"{ratio(r, 'decode_tokens_per_s')} | {prefill} | {ratio(r, 'prefill_tokens_per_s')} | "
+            f"{r['decode_peak_mib']:.1f} | {r['cache_mib']:.2f} | {r['bits_per_element']:.2f} |"
         )
     return "\n".join(lines)
 

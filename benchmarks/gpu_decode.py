@@ -3,10 +3,11 @@
 For each context length: one decode step's attention (SmolLM2-like shapes scaled up: 32 query heads, 8 kv heads,
 head_dim 128, batch 1 by default), latency by CUDA events (median of `--iters`), bytes of the cache read, and each
 kernel's maximum error against its PyTorch reference. Two kernels: q4_0 keys and values (QuantizedKVCache), and
-DeltaKVCache's layout (rotated pre-RoPE delta keys with RoPE re-applied in the kernel, rotated q4_0 values), through
-the same dispatch the model uses (`kernels.stream_attention`). Then, with `--e2e`, end-to-end decode tokens/s of the
-embedded model (prefill in the usual path, then 16 greedy steps) with DynamicCache + SDPA against DeltaKVCache inside
-`compressed_attention`. Written to benchmarks/results/gpu_decode.json.
+the token-delta layout of `DeltaKVCache(keys="token")` (rotated pre-RoPE delta keys with RoPE re-applied in the
+kernel, rotated q4_0 values), through the same dispatch the model uses (`ops.stream_attention`). The default
+per-channel key layout has no Triton kernel yet (it takes the chunked reference on GPUs). Then, with `--e2e`,
+end-to-end decode tokens/s of the embedded model (16 greedy steps after the prompt) with DynamicCache against
+DeltaKVCache (default) and DeltaKVCache(keys="token"). Written to benchmarks/results/gpu_decode.json.
 
     python benchmarks/gpu_decode.py --e2e                          # < 5 min on one H200
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 64 --iters 1   # smoke test
@@ -23,9 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from paths import RESULTS
-
-from hf_deltakv.formats import quantize
-from hf_deltakv.ops import reference
 
 
 def _time(fn, iters: int, device: str) -> float:
@@ -48,15 +46,12 @@ def _time(fn, iters: int, device: str) -> float:
 
 
 def run(context: int, args: argparse.Namespace) -> dict:
-    from hf_deltakv.ops.triton.decode_attention import decode_attention
-
     device, dim = args.device, args.head_dim
     dtype = torch.float16 if device == "cuda" else torch.float32  # the CPU smoke test runs SDPA in fp32
     torch.manual_seed(context)
     q = torch.randn(args.batch, args.q_heads, dim, device=device, dtype=dtype)
     k = torch.randn(args.batch, args.kv_heads, context, dim, device=device, dtype=dtype)
     v = torch.randn(args.batch, args.kv_heads, context, dim, device=device, dtype=dtype)
-    kq, vq = quantize(k, args.format), quantize(v, args.format)
     scale = dim**-0.5
     group = args.q_heads // args.kv_heads
 
@@ -68,14 +63,10 @@ def run(context: int, args: argparse.Namespace) -> dict:
     def sdpa_gqa():
         return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-    def fused():
-        return decode_attention(q, kq, vq, scale)
-
-    expected = reference.decode_attention(q.float(), kq, vq, scale)
-    error = (fused() - expected).abs().max().item()
+    plain = _case(q, k, v, scale, args, token_delta=False)
+    delta = _case(q, k, v, scale, args, token_delta=True)
     sdpa_ms = _time(sdpa_gqa, args.iters, device)
-    fused_ms = _time(fused, args.iters, device)
-    delta = _delta_case(q, k, v, scale, args)
+    fused_ms = _time(plain["fused"], args.iters, device)
     return {
         "context": context,
         "sdpa_fp16_ms": sdpa_ms,
@@ -83,78 +74,81 @@ def run(context: int, args: argparse.Namespace) -> dict:
         "fused_ms": fused_ms,
         "speedup": sdpa_ms / fused_ms,
         "fp16_cache_mib": 2 * k.numel() * 2 / 2**20,
-        "packed_cache_mib": (kq.nbytes() + vq.nbytes()) / 2**20,
-        "max_error_vs_reference": error,
+        "packed_cache_mib": plain["mib"],
+        "max_error_vs_reference": plain["error"],
         "delta_fused_ms": _time(delta["fused"], args.iters, device),
         "delta_packed_cache_mib": delta["mib"],
         "delta_max_error_vs_reference": delta["error"],
     }
 
 
-def _delta_case(q, k, v, scale, args) -> dict:
-    """DeltaKVCache's storage of `k` (as pre-RoPE keys) and `v`, and its fused attention through the dispatch."""
-    from hf_deltakv import kernels
+def _case(q, k, v, scale, args, token_delta: bool) -> dict:
+    """`k`, `v` stored as `--format` per token (QuantizedKVCache), or as DeltaKVCache(keys="token") stores them
+    (pre-RoPE delta keys, RoPE redone in the kernel), and the fused attention through the model's dispatch."""
+    from hf_deltakv import ops
+    from hf_deltakv.cache import TOKEN_DELTA_DEFAULTS
     from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
 
     batch, kv_heads, context, dim = k.shape
-    keys = RotatedCodec(DeltaCodec(kf=32, delta_format="q4_0_16", keyframe_format="q8_0"))
-    values = RotatedCodec(PlainCodec("q4_0"))
-    keys.append(k.float().cumsum(2) / (1 + torch.arange(context, device=k.device)[:, None]))  # smooth, key-like
+    if token_delta:
+        keys = RotatedCodec(DeltaCodec(kf=32, **TOKEN_DELTA_DEFAULTS))
+        values = RotatedCodec(PlainCodec("q4_0"))
+        keys.append(k.float().cumsum(2) / (1 + torch.arange(context, device=k.device)[:, None]))  # smooth, key-like
+        angle = torch.arange(context, device=k.device)[:, None] * (
+            10000 ** (-torch.arange(dim // 2, device=k.device) / (dim // 2))
+        )
+        cos, sin = torch.cat([angle.cos()] * 2, -1)[None].float(), torch.cat([angle.sin()] * 2, -1)[None].float()
+        cos, sin = cos.expand(batch, -1, -1).contiguous(), sin.expand(batch, -1, -1).contiguous()
+    else:
+        keys, values = PlainCodec(args.format), PlainCodec(args.format)
+        keys.append(k.float())
+        cos = sin = None
     values.append(v.float())
-    angle = torch.arange(context, device=k.device)[:, None] * (
-        10000 ** (-torch.arange(dim // 2, device=k.device) / (dim // 2))
-    )
-    cos, sin = torch.cat([angle.cos()] * 2, -1)[None].float(), torch.cat([angle.sin()] * 2, -1)[None].float()
-    cos, sin = cos.expand(batch, -1, -1).contiguous(), sin.expand(batch, -1, -1).contiguous()
     query = q.float().view(batch, kv_heads, -1, dim)
     empty = query.new_zeros(batch, kv_heads, 0, dim)
-    call = (query, empty, empty, keys, values, cos, sin, None, 1, context - 1, scale)
+    call = (query, empty, empty, keys.layout(), values.layout(), cos, sin, None, 1, context - 1, scale)
 
     def fused():
-        return kernels.stream_attention(*call)
+        return ops.stream_attention(*call)
 
-    error = (fused() - reference.stream_attention(*call)).abs().max().item()
+    error = (fused() - ops.reference.stream_attention(*call)).abs().max().item()
     return {"fused": fused, "error": error, "mib": (keys.nbytes() + values.nbytes()) / 2**20}
 
 
 @torch.no_grad()
 def end_to_end(context: int, args: argparse.Namespace, new: int = 16) -> dict:
-    """Decode tokens/s of the embedded model after a `context`-token prompt: DynamicCache (SDPA) vs DeltaKVCache read
-    by `compressed_attention`; the prompt is prefilled in the usual path (a full-precision forward) for both."""
+    """Decode tokens/s of the embedded model after a `context`-token prompt: DynamicCache against DeltaKVCache (its
+    default keys, and keys="token" which has a Triton kernel); decode steps read the packed cache by default."""
     from transformers import DynamicCache
 
-    from hf_deltakv import DeltaKVCache, compressed_attention
+    from hf_deltakv import DeltaKVCache
     from hf_deltakv.models import load_model
 
     model, _ = load_model()
     model = model.to(args.device, torch.float16 if args.device == "cuda" else torch.float32)
     ids = torch.randint(100, 10000, (1, context), device=args.device, generator=None)
     speeds = {}
-    for name in ("dynamic", "delta"):
-        cache = DynamicCache() if name == "dynamic" else DeltaKVCache(model=model)
+    makers = {
+        "dynamic": DynamicCache,
+        "delta": lambda: DeltaKVCache(model=model),
+        "delta_token_keys": lambda: DeltaKVCache(model=model, keys="token"),
+    }
+    for name, make in makers.items():
+        cache = make()
         logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        with compressed_attention(model) if name == "delta" else _nothing():
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(new):
+            logits = model(token, cache=cache, use_cache=True).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
-            model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(new):
-                logits = model(token, cache=cache, use_cache=True).logits
-                token = logits[:, -1].argmax(-1, keepdim=True)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            speeds[name] = new / (time.perf_counter() - start)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        speeds[name] = new / (time.perf_counter() - start)
         del cache
-    return {"context": context, "dynamic_tokens_per_s": speeds["dynamic"], "delta_tokens_per_s": speeds["delta"]}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return {"context": context, **{f"{name}_tokens_per_s": speed for name, speed in speeds.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -355,3 +355,17 @@ TOKEN_DELTA_DEFAULTS = {
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def total_nbytes(cache, group=None) -> int:
+    """`cache.nbytes()` summed over the ranks of `group` (default: all of them) when torch.distributed is initialized:
+    under tensor parallelism each rank holds, and `nbytes()` counts, only its own KV heads. Every rank must call it
+    (a collective); without a process group it is `cache.nbytes()`."""
+    import torch.distributed as dist
+
+    held = cache.nbytes()
+    if not (dist.is_available() and dist.is_initialized()):
+        return held
+    total = torch.tensor([held], dtype=torch.int64)
+    dist.all_reduce(total, group=group)
+    return int(total.item())

@@ -1,53 +1,67 @@
-"""Weight skip: during decoding, `nn.Linear` layers skip the input blocks whose contribution is negligible.
+"""Weight skip: during decoding, `nn.Linear` layers read only the weights of the input channels that matter.
 
-Decoding one token reads every weight once. For each block of `block_size` input features, the contribution of the
-block to any output is at most `bound = block_size × max|w| × max|x|` (max|w| over the block's weights in every
-row, computed once when enabled; max|x| over the block's activations, computed each step). A block is skipped when
-its bound is negligible, and its weights are never read.
+Decoding one token reads every weight once, and the weights are most of what a decode step reads. An input channel
+`i` of a linear layer contributes `x_i * W[:, i]` to its output; when that contribution is negligible, the column
+`W[:, i]` need not be read. Three modes:
 
-The rule is relative: blocks are skipped smallest bound first while the skipped bounds add up to at most
-`threshold × (sum of all bounds)`. So every output's error is at most `threshold` times the sum of the bounds: a
-scale-free guarantee, the same for every layer and model, where an absolute threshold would need tuning per layer.
-`threshold=0` skips only blocks whose bound is exactly zero (all-zero activations or weights), so outputs equal the
-plain module's up to floating-point summation order.
+- `sparsity=s` (calibrated, after TEAL and WINA): channel `i` is skipped when `|x_i| * ||W[:, i]||` is below a
+  threshold, the threshold of each layer being the `s`-quantile of these scores on real activations (calibrated once
+  per model on built-in text or tokens you pass, at the levels of `LEVELS`, interpolated between). Every layer skips
+  the same fraction: a greedy allocation by each layer's measured output error was tried and lost to it (SmolLM2,
+  teacher-forced decode KL at s=0.25: 0.054 greedy against 0.027 uniform; at 0.4: 0.26 against 0.12), because a
+  layer's own error says little about what it does to the logits. Projections that read the same input (q/k/v,
+  gate/up) are found during calibration and form one group: one threshold, one list of kept channels and one fused
+  weight read per token. Calibrations are cached per model and can be saved and loaded (`SkipCalibration`).
+- `threshold=t > 0` (the bound rule): blocks of `block_size` channels are skipped smallest bound first, the bound of a
+  block being `block_size * max|w| * max|x|`, while the skipped bounds add up to at most `t` times their sum, which
+  bounds every output's error. Kept as a reference point; it skips little before quality moves.
+- `threshold=0` (exact): only channels that are zero in every sequence are skipped. Each layer is watched for its
+  first `WATCH_CALLS` decode calls; a layer that saw no zero channel goes back to its own forward (no cost at all).
 
-Where the weights are not read: on the CPU, each selected weight is re-laid out input-major (the parameter becomes a
-transposed view of that storage, so every other use of it is unchanged and no memory is added) and a decode step
-that skips enough blocks gathers only the kept input rows (`embedding_bag` with the activations as per-sample
-weights); one that skips few reads all rows in one product, which is faster (`GATHER_BELOW`). `stats()` counts
-both the blocks skipped and the blocks whose weights were read. On CUDA/ROCm a Triton kernel loops over the kept
-blocks only. Inputs that are not decode-shaped (more than one new token per
-sequence) take the module's normal path.
+Where the weights are not read: while enabled, each group's weights are stored input-major in one tensor `[in, out]`
+(the parameters become views of it, so every other use of them is unchanged and no memory is added), and a
+decode-shaped input (one new token per sequence, no gradients) goes to `ops.sparse_matvec`: one pass that lists the
+kept channels and streams only their rows (C++ on the CPU, Triton on GPUs). Other inputs take the layer's normal
+path. Changes to the weights while enabled (`model.to(...)`, `load_state_dict`, replacing `.data`, in-place writes
+under `no_grad`) are followed; in-place writes through `.data` are invisible to PyTorch (no version bump): re-enable;
+`state_dict()` returns contiguous weights; `remove()` restores the layers with the weights they have then.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import use_triton
+from . import ops
 
-__all__ = ["SkipStats", "WeightSkipHandle", "enable_weight_skip", "keep_mask"]
+__all__ = ["SkipCalibration", "SkipStats", "WeightSkipHandle", "calibrate", "enable_weight_skip", "keep_mask"]
+
+LEVELS = tuple(round(0.05 * k, 2) for k in range(20))  # per-group sparsity levels calibrated: 0, 0.05, ... 0.95
+CALIBRATION_ROWS = 512  # activation rows per group whose scores set its thresholds
+CALIBRATION_TOKENS = 1024  # default calibration text length, in tokens
+CALIBRATION_VERSION = 4  # bumped when the calibration's meaning changes: older files are measured again
+WATCH_CALLS = 8  # exact mode: decode calls a layer is watched for zero input channels before it settles
 
 
 @dataclass
 class SkipStats:
-    """Counts for one module, summed over decode calls: input blocks seen, skipped (left out of the product) and
-    read (whose weights were loaded; on the CPU a product that skips only a few blocks reads them all, see
-    `GATHER_BELOW`)."""
+    """Counts for one module, summed over decode calls: input channels seen and skipped (their weights not read)."""
 
     calls: int = 0
-    blocks_seen: int = 0
-    blocks_skipped: int = 0
-    blocks_read: int = 0
+    channels_seen: int = 0
+    channels_skipped: int = 0
 
     @property
     def skipped_fraction(self) -> float:
-        return self.blocks_skipped / self.blocks_seen if self.blocks_seen else 0.0
+        return self.channels_skipped / self.channels_seen if self.channels_seen else 0.0
 
 
 def block_max(t: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -69,108 +83,362 @@ def keep_mask(bounds: torch.Tensor, threshold: float) -> torch.Tensor:
     return ~torch.zeros_like(skip_sorted).scatter(-1, order, skip_sorted)
 
 
-# On the CPU, gathering the kept rows costs more per row than one dense product over all of them (SmolLM2's
-# shapes, benchmarks/matvec_layouts.py: a full gather is 1.0-1.6x a full product), so rows are gathered only when
-# fewer than this fraction of the blocks is kept; otherwise skipped blocks are zeroed in the activations and all
-# weights read.
-GATHER_BELOW = 0.7
+# --- calibration ----------------------------------------------------------------------------------------------------
 
 
-class _SkippingLinear:
-    """State and decode path of one linear module with weight skip."""
+@dataclass
+class SkipCalibration:
+    """Per group of projections reading the same input (named by its members joined with ","), the score threshold
+    at each level of `LEVELS` (scores `|x_i| * ||W[:, i]||` of the group's stacked weights, on calibration text),
+    and what it was measured on."""
 
-    def __init__(self, name: str, module: nn.Linear, threshold: float, block_size: int) -> None:
-        self.name, self.module, self.threshold, self.block_size = name, module, threshold, block_size
-        self.stats = SkipStats()
-        weight = module.weight
-        self.in_features = weight.shape[1]
-        self.weight_block_max = block_max(weight.detach(), block_size).amax(0).float()  # [blocks]: read first
-        self.use_triton = use_triton(weight.device) and not block_size & (block_size - 1)
-        module._weight_skip = True
-        if not self.use_triton:
-            # Input-major storage: a kept input feature's weights are one contiguous row to gather.
-            self.transposed = weight.detach().t().contiguous()
-            weight.data = self.transposed.t()
-        # With accelerate's device_map hooks, `forward` moves inputs to the weight's device and then calls
-        # `_old_forward`: patch that one so the hook keeps working.
-        self.target = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-        self.plain_forward = getattr(module, self.target)
-        setattr(module, self.target, self.forward)
+    groups: dict[str, dict] = field(default_factory=dict)  # "a,b" -> {"thresholds": [per level]}
+    model: str = ""
+    tokens: int = 0
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or x.dim() < 2 or x.shape[-2] != 1 or torch.is_grad_enabled():
-            return self.plain_forward(x, *args, **kwargs)
-        flat = x.reshape(-1, self.in_features)  # [batch, in]: one token per sequence
-        bounds = self.block_size * self.weight_block_max * block_max(flat.float(), self.block_size)
-        keep = keep_mask(bounds, self.threshold).any(0)  # a block needed by any sequence is computed for all
-        blocks, kept = keep.numel(), int(keep.sum())
-        self.stats.calls += 1
-        self.stats.blocks_seen += blocks
-        self.stats.blocks_skipped += blocks - kept
-        out = self._matvec(flat, keep, kept / blocks)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    def members(self) -> list[list[str]]:
+        return [key.split(",") for key in self.groups]
 
-    def _matvec(self, flat: torch.Tensor, keep: torch.Tensor, kept_fraction: float) -> torch.Tensor:
-        weight, bias = self.module.weight, self.module.bias
-        if self.use_triton:
-            from .ops.triton.skip_matvec import skip_matvec
+    def allocate(self, sparsity: float) -> dict[str, float]:
+        """Per-group thresholds leaving `sparsity` of each group's input channels unread on the calibration text
+        (interpolated between the two nearest levels)."""
+        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < LEVELS[-1]:
+            raise ValueError(f"sparsity must be a number in [0, {LEVELS[-1]}), got {sparsity!r}")
+        step = LEVELS[1] - LEVELS[0]
+        below = min(int(sparsity / step + 1e-9), len(LEVELS) - 2)
+        frac = (sparsity - LEVELS[below]) / step
+        return {
+            key: (1 - frac) * group["thresholds"][below] + frac * group["thresholds"][below + 1]
+            for key, group in self.groups.items()
+        }
 
-            self.stats.blocks_read += int(keep.sum())
-            return skip_matvec(flat, weight, bias, keep, self.block_size)
-        columns = keep.repeat_interleave(self.block_size)[: self.in_features]
-        if kept_fraction >= GATHER_BELOW:
-            self.stats.blocks_read += keep.numel()
-            if kept_fraction < 1:
-                flat = flat * columns.to(flat.dtype)
-            return F.linear(flat, weight, bias)  # the weight is the transposed view: input-major GEMV
-        self.stats.blocks_read += int(keep.sum())
-        rows = columns.nonzero().squeeze(1)
-        batch = flat.shape[0]
-        offsets = torch.arange(batch, device=flat.device) * rows.numel()
-        out = F.embedding_bag(
-            rows.repeat(batch),
-            self.transposed,
-            offsets,
-            mode="sum",
-            per_sample_weights=flat[:, rows].to(self.transposed.dtype).reshape(-1),
+    def save(self, path: str | Path) -> Path:
+        """Write as JSON, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"version": CALIBRATION_VERSION, "levels": LEVELS, **asdict(self)}) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> SkipCalibration:
+        """Read a saved calibration; one of another version, other levels or a malformed one is refused."""
+        try:
+            payload = json.loads(Path(path).read_text())
+            if payload.pop("version", None) != CALIBRATION_VERSION:
+                raise ValueError("it was made by another version of hf_deltakv; calibrate again")
+            if tuple(payload.pop("levels", ())) != LEVELS:
+                raise ValueError("it was calibrated at other sparsity levels; calibrate again")
+            calibration = cls(**payload)
+            for key, group in calibration.groups.items():
+                values = [float(v) for v in group["thresholds"]]
+                if len(values) != len(LEVELS) or not all(v == v and v >= 0 for v in values) or values != sorted(values):
+                    raise ValueError(f"group {key!r} needs one finite, non-negative, rising threshold per level")
+        except (OSError, TypeError, KeyError, ValueError, AttributeError) as error:
+            raise ValueError(f"{path} is not a weight-skip calibration: {error}") from None
+        return calibration
+
+
+def _column_norms(weight: torch.Tensor) -> torch.Tensor:
+    """||W[:, i]||_2 of a linear weight `[out, in]`, fp32 `[in]`."""
+    return weight.detach().float().pow(2).sum(0).sqrt()
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, names: list[str], tokens: torch.Tensor | None = None) -> SkipCalibration:
+    """Group the named linears by shared input and measure every group's score thresholds at `LEVELS` on `tokens`
+    [windows, length] or [length] (default: `CALIBRATION_TOKENS` tokens of Python's documentation, on every
+    install). A few seconds on SmolLM2 on 2 CPU cores."""
+    named = dict(model.named_modules())
+    if tokens is None:
+        tokens = _default_tokens(model)
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    inputs: dict[str, list[int]] = {name: [] for name in names}  # per call, which input (a running count)
+    last = {"input": None, "count": 0}  # the input of the latest call, held so that `is` stays meaningful
+
+    def capture(module, args, name):
+        if args[0] is not last["input"]:
+            last["input"], last["count"] = args[0], last["count"] + 1
+        inputs[name].append(last["count"])
+        captured[name].append(args[0].detach())
+
+    hooks = [named[name].register_forward_pre_hook(lambda m, args, name=name: capture(m, args, name)) for name in names]
+    try:
+        device = next(model.parameters()).device
+        for window in tokens.reshape(-1, tokens.shape[-1]):
+            model(window[None].to(device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        last["input"] = None
+    calibration = SkipCalibration(model=_model_key(model), tokens=int(tokens.numel()))
+    generator = torch.Generator().manual_seed(0)
+    shared: dict[tuple, list[str]] = {}  # linears called in a row on the very same tensors (q/k/v, gate/up)
+    for name in names:
+        shared.setdefault(tuple(inputs[name]) or (name,), []).append(name)
+    for members in shared.values():
+        x = torch.cat([c.reshape(-1, c.shape[-1]) for c in captured[members[0]]]).float()
+        x = x[torch.randperm(len(x), generator=generator)[:CALIBRATION_ROWS]]
+        stacked = torch.cat([named[m].weight.detach().float() for m in members])
+        ordered = (x.abs() * _column_norms(stacked)).flatten().sort().values
+        thresholds = [float(ordered[int(level * (len(ordered) - 1))]) if level else 0.0 for level in LEVELS]
+        calibration.groups[",".join(members)] = {"thresholds": thresholds}
+    return calibration
+
+
+def _default_tokens(model: nn.Module) -> torch.Tensor:
+    from .eval.texts import load_text
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    except Exception as error:  # no config, no tokenizer files, no network
+        raise ValueError(
+            f"weight skip could not load this model's tokenizer to calibrate ({type(error).__name__}); "
+            "pass calibration=<token ids [windows, length]> or a saved SkipCalibration"
+        ) from None
+    ids = tokenizer(load_text("python-docs")[: 40 * CALIBRATION_TOKENS], return_tensors="pt").input_ids[0]
+    length = CALIBRATION_TOKENS // 2
+    return ids[: len(ids) // length * length][:CALIBRATION_TOKENS].view(-1, length)
+
+
+def _model_key(model: nn.Module, names: list[str] = ()) -> str:
+    """A name for the calibration cache: the model's config, a probe of its weights and the selected modules."""
+    config = model.config.to_json_string() if hasattr(model, "config") else type(model).__name__
+    digest = hashlib.sha256(config.encode())
+    digest.update(",".join(names).encode())
+    for parameter in list(model.parameters())[:8]:
+        flat = parameter.detach().flatten()
+        digest.update(flat[:: max(flat.numel() // 64, 1)][:64].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _cache_path(model: nn.Module, names: list[str]) -> Path:
+    root = os.environ.get("HF_DELTAKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_deltakv")
+    return Path(root) / "weight_skip" / f"{_model_key(model, names)}.json"
+
+
+# --- the hook -------------------------------------------------------------------------------------------------------
+
+
+class _SkippingGroup:
+    """Linears reading one input, with their weights stacked input-major in one tensor and one skip rule.
+
+    Modes: "calibrated" (`score`: threshold of `|x_i| * ||W[:, i]||`), "bounded" (`threshold > 0`, one member),
+    "exact" (`threshold == 0`, one member). A decode call of any member computes the whole group's outputs and keeps
+    the other members' for their own call on the same input tensor (q/k/v, gate/up are called in a row)."""
+
+    def __init__(
+        self, members: list[tuple[str, nn.Linear]], threshold: float, block_size: int, score: float | None
+    ) -> None:
+        self.names = [name for name, _ in members]
+        self.modules = [module for _, module in members]
+        self.threshold, self.block_size, self.score_threshold = threshold, block_size, score
+        self.mode = "calibrated" if score is not None else "bounded" if threshold > 0 else "exact"
+        self.stats = SkipStats()  # every member's: a decode call of one computes them all
+        self._widths = [module.out_features for module in self.modules]
+        self._offsets = [sum(self._widths[:k]) for k in range(len(self.modules))]
+        self._prepared_key = None
+        self._pending: list = [None] * len(members)  # outputs kept for members not called yet: (input, version, out)
+        self._zeros_seen = False
+        self.patched: list[tuple[nn.Module, str, object]] = []
+        for index, module in enumerate(self.modules):
+            module._weight_skip = True
+            # With accelerate's device_map hooks, `forward` moves inputs to the weight's device and then calls
+            # `_old_forward`: patch that one so the hook keeps working.
+            target = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+            plain = getattr(module, target)
+            self.patched.append((module, target, plain))
+            setattr(module, target, self._member_forward(index, plain))
+            module._weight_skip_state_hook = module._register_state_dict_hook(_contiguous_weight)
+        if self.mode != "exact":
+            self._stack()
+
+    # weights
+
+    def _stacked_views(self) -> bool:
+        """Whether the members' weights are still the views of one input-major tensor made by `_stack`."""
+        base = self.modules[0].weight
+        total = sum(m.weight.shape[0] for m in self.modules)
+        offset = 0
+        for module in self.modules:
+            w = module.weight
+            if w.stride() != (1, total) or w.data_ptr() != base.data_ptr() + offset * w.element_size():
+                return False
+            if w.dtype != base.dtype or w.device != base.device:
+                return False
+            offset += w.shape[0]
+        return True
+
+    def _stack(self) -> torch.Tensor:
+        """The group's weights as one `[in, out_total]` tensor, the parameters made views of it (again when
+        something replaced them: `model.to(...)`, assigning `.data`)."""
+        first = self.modules[0].weight
+        if not self._stacked_views():
+            stacked = torch.cat([m.weight.data for m in self.modules]).t().contiguous()
+            offset = 0
+            for module in self.modules:
+                rows = module.weight.shape[0]
+                module.weight.data = stacked[:, offset : offset + rows].t()
+                offset += rows
+            first = self.modules[0].weight
+        total = sum(m.weight.shape[0] for m in self.modules)
+        return first.data.t().as_strided((first.shape[1], total), (total, 1))
+
+    def _bias(self) -> torch.Tensor | None:
+        biases = [m.bias for m in self.modules]
+        if all(b is None for b in biases):
+            return None
+        return torch.cat(
+            [
+                b if b is not None else m.weight.new_zeros(m.weight.shape[0])
+                for m, b in zip(self.modules, biases, strict=True)
+            ]
         )
-        return out if bias is None else out + bias
+
+    def _version_key(self) -> tuple:
+        """What `_prepared` depends on: each weight's and bias's identity, storage and version (the members' weights
+        are views of one tensor and share its version counter)."""
+        key = []
+        for module in self.modules:
+            weight, bias = module._parameters["weight"], module._parameters["bias"]
+            key += (id(weight), weight.data_ptr(), weight._version, id(bias), -1 if bias is None else bias._version)
+        return tuple(key)
+
+    def _prepared(self) -> tuple:
+        """(stacked weight, bias, score weights, kernel), made again only when a weight or bias changed (replaced,
+        moved, cast or written in place): checked on every call, so it costs a few comparisons."""
+        if self._version_key() != self._prepared_key:
+            wt = self._stack()
+            derived = None
+            if self.mode == "calibrated":
+                derived = _column_norms(wt.t()).contiguous()
+            elif self.mode == "bounded":
+                derived = block_max(wt.t().detach(), self.block_size).amax(0).float()
+            kernel = ops.sparse_matvec_kernel(wt.device) or ops.reference.sparse_matvec
+            self._prepared_value = (wt, self._bias(), derived, kernel)
+            self._prepared_key = self._version_key()
+        return self._prepared_value
+
+    # calls
+
+    def _member_forward(self, index: int, plain):
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if args or kwargs or x.dim() < 2 or x.shape[-2] != 1 or torch.is_grad_enabled():
+                return plain(x, *args, **kwargs)
+            if self.mode == "exact":
+                return self._watch(index, x, plain)
+            pending = self._pending[index]
+            if pending is not None:
+                self._pending[index] = None
+                if pending[0] is x and pending[1] == x._version:
+                    return pending[2]
+            return self._compute(index, x, plain)
+
+        return forward
+
+    def _compute(self, index: int, x: torch.Tensor, plain) -> torch.Tensor:
+        wt, bias, derived, kernel = self._prepared()
+        if x.dtype != wt.dtype:
+            return plain(x)
+        if self.mode == "calibrated":
+            out, kept = kernel(x, wt, bias, derived, self.score_threshold)
+        elif self.mode == "bounded":
+            flat = x.reshape(-1, x.shape[-1])
+            bounds = self.block_size * derived * block_max(flat.float(), self.block_size)
+            keep = keep_mask(bounds, self.threshold).any(0)
+            columns = keep.repeat_interleave(self.block_size)[: flat.shape[-1]]
+            out, kept = kernel(x * columns.to(x.dtype), wt, bias, None, 0.0)
+        else:
+            out, kept = kernel(x, wt, bias, None, 0.0)
+        stats = self.stats
+        stats.calls += 1
+        stats.channels_seen += x.shape[-1]
+        stats.channels_skipped += x.shape[-1] - kept
+        if len(self.modules) == 1:
+            return out
+        version = x._version
+        for other, (offset, width) in enumerate(zip(self._offsets, self._widths, strict=True)):
+            if other != index:
+                self._pending[other] = (x, version, out.narrow(-1, offset, width))
+        return out.narrow(-1, self._offsets[index], self._widths[index])
+
+    def _watch(self, index: int, x: torch.Tensor, plain) -> torch.Tensor:
+        """Exact mode (one member): skip only channels that are zero in every sequence; settle after the watch."""
+        if self._zeros_seen:
+            return self._compute(index, x, plain)
+        kept = int((x.reshape(-1, x.shape[-1]) != 0).any(0).sum())
+        stats = self.stats
+        stats.calls += 1
+        stats.channels_seen += x.shape[-1]
+        stats.channels_skipped += x.shape[-1] - kept
+        if kept < x.shape[-1]:
+            self._zeros_seen = True
+            self._stack()
+        elif stats.calls >= WATCH_CALLS:
+            self._unpatch()  # nothing to skip here: out of the way
+        return plain(x)
+
+    def _unpatch(self) -> None:
+        for module, target, plain in self.patched:
+            setattr(module, target, plain)
+            if target == "forward":
+                del module.forward  # back to the class's forward
+        self.patched = []
 
     def remove(self) -> None:
-        self.module._weight_skip = False
-        setattr(self.module, self.target, self.plain_forward)
-        if self.target == "forward":
-            del self.module.forward  # back to the class's forward
-        if not self.use_triton:
-            self.module.weight.data = self.transposed.t().contiguous()
+        self._unpatch()
+        self._pending = [None] * len(self.modules)
+        for module in self.modules:
+            module._weight_skip = False
+            module._weight_skip_state_hook.remove()
+            if not module.weight.is_contiguous():
+                module.weight.data = module.weight.data.contiguous()  # the weights as they are now
+
+
+def _contiguous_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict() of a layer with weight skip: its weight as a contiguous tensor (what savers expect)."""
+    key = prefix + "weight"
+    if key in state_dict and not state_dict[key].is_contiguous():
+        state_dict[key] = state_dict[key].contiguous()
 
 
 class WeightSkipHandle:
-    """Returned by `enable_weight_skip`: `.stats()`, `.remove()`, and a context manager that removes on exit."""
+    """Returned by `enable_weight_skip`: `.stats()`, `.remove()`, `.calibration`, `.groups`, and a context manager
+    that removes on exit."""
 
-    def __init__(self, linears: list[_SkippingLinear]) -> None:
-        self._linears = linears
+    def __init__(self, groups: list[_SkippingGroup], calibration: SkipCalibration | None) -> None:
+        self._groups = groups
         self._removed = False
+        self.calibration = calibration
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """The module names of each group (projections sharing their input and their kept channels)."""
+        return [list(g.names) for g in self._groups]
 
     def stats(self) -> dict[str, dict]:
-        """Per module name: calls, blocks_seen, blocks_skipped, blocks_read, skipped_fraction; plus `total`."""
+        """Per module name: calls, channels_seen, channels_skipped, skipped_fraction; plus `total` (weighted by each
+        module's output width: the fraction of the weights not read)."""
         out = {}
         total = SkipStats()
-        for linear in self._linears:
-            s = linear.stats
-            out[linear.name] = {**asdict(s), "skipped_fraction": s.skipped_fraction}
-            total.calls += s.calls
-            total.blocks_seen += s.blocks_seen
-            total.blocks_skipped += s.blocks_skipped
-            total.blocks_read += s.blocks_read
+        for group in self._groups:
+            s = group.stats
+            for name, module in zip(group.names, group.modules, strict=True):
+                out[name] = {**asdict(s), "skipped_fraction": s.skipped_fraction}
+                total.calls += s.calls
+                total.channels_seen += s.channels_seen * module.out_features
+                total.channels_skipped += s.channels_skipped * module.out_features
         out["total"] = {**asdict(total), "skipped_fraction": total.skipped_fraction}
         return out
 
     def remove(self) -> None:
         """Restore every module's forward and weight layout (the stats stay readable). Idempotent."""
         if not self._removed:
-            for linear in self._linears:
-                linear.remove()
+            for group in self._groups:
+                group.remove()
         self._removed = True
 
     def __enter__(self) -> WeightSkipHandle:
@@ -182,27 +450,55 @@ class WeightSkipHandle:
 
 def enable_weight_skip(
     model: nn.Module,
-    threshold: float = 0.0,
+    sparsity: float | None = None,
+    threshold: float | None = None,
     block_size: int = 32,
     modules: Iterable[str] | None = None,
     include_lm_head: bool = False,
+    calibration: SkipCalibration | str | Path | torch.Tensor | None = None,
 ) -> WeightSkipHandle:
-    """Make the selected `nn.Linear` modules of `model` skip negligible input blocks on decode-shaped inputs.
+    """Make the selected `nn.Linear` modules of `model` skip negligible input channels on decode-shaped inputs.
 
     Args:
-        model: any module tree.
-        threshold: relative budget in [0, 1): see the module docstring. 0 skips only exactly-zero contributions.
-        block_size: input features per block; a dimension that it does not divide gets a zero-padded last block.
+        model: any module tree (a transformers model for the default calibration text).
+        sparsity: fraction of the selected weights to leave unread, calibrated (see the module docstring).
+        threshold: the bound rule's relative budget in [0, 1); 0 (the default when `sparsity` is not given) is exact.
+        block_size: input channels per block of the bound rule.
         modules: names (as in `model.named_modules()`) to patch; default every `nn.Linear` but the output head.
         include_lm_head: also patch the output head (`lm_head`, or whatever `get_output_embeddings()` returns).
+        calibration: for `sparsity`: a `SkipCalibration`, a saved one's path, or calibration token ids
+            `[windows, length]`; default: this model's cached calibration, made (and cached) on first use.
 
     Returns:
         a handle with `.stats()` and `.remove()`, usable as a context manager.
     """
-    if not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+    if sparsity is not None and threshold is not None:
+        raise ValueError("pass sparsity (calibrated) or threshold (bound rule), not both")
+    if sparsity is not None and (isinstance(sparsity, bool) or not isinstance(sparsity, (int, float))):
+        raise ValueError(f"sparsity must be a number in [0, {LEVELS[-1]}), got {sparsity!r}")
+    if sparsity is None and calibration is not None:
+        raise ValueError("calibration is used with sparsity=; the threshold modes need none")
+    threshold = 0.0 if threshold is None else threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
         raise ValueError(f"threshold must be a number in [0, 1), got {threshold!r}")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    names = _selected(model, modules, include_lm_head)
+    named = dict(model.named_modules())
+    found = None
+    if sparsity is not None:
+        found = _calibration(model, names, calibration)
+        allocation = found.allocate(float(sparsity))
+        groups = [
+            _SkippingGroup([(n, named[n]) for n in members], 0.0, block_size, allocation[",".join(members)])
+            for members in found.members()
+        ]
+    else:
+        groups = [_SkippingGroup([(n, named[n])], float(threshold), block_size, None) for n in names]
+    return WeightSkipHandle(groups, found)
+
+
+def _selected(model: nn.Module, modules: Iterable[str] | None, include_lm_head: bool) -> list[str]:
     named = dict(model.named_modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if modules is None:
@@ -219,4 +515,37 @@ def enable_weight_skip(
     for name in names:
         if getattr(named[name], "_weight_skip", False):
             raise ValueError(f"weight skip is already enabled on {name!r}; remove the other handle first")
-    return WeightSkipHandle([_SkippingLinear(name, named[name], float(threshold), block_size) for name in names])
+    return names
+
+
+def _calibration(model: nn.Module, names: list[str], given) -> SkipCalibration:
+    """The calibration to use for `names`: the one given (checked to cover exactly these modules), or the cached
+    one, or a new one (then cached)."""
+    if isinstance(given, (str, Path)):
+        given = SkipCalibration.load(given)
+    if isinstance(given, torch.Tensor):
+        return calibrate(model, names, given)
+    if isinstance(given, SkipCalibration):
+        covered = sorted(n for members in given.members() for n in members)
+        if covered != sorted(names):
+            missing = sorted(set(names) - set(covered))
+            extra = sorted(set(covered) - set(names))
+            raise ValueError(
+                f"the calibration does not match the selected modules (missing {missing[:3]}, extra {extra[:3]}); "
+                "calibrate for these modules"
+            )
+        return given
+    if given is not None:
+        raise TypeError(f"calibration must be a SkipCalibration, a path or token ids, got {type(given).__name__}")
+    path = _cache_path(model, names)
+    if path.is_file():
+        try:
+            return SkipCalibration.load(path)
+        except ValueError:
+            pass  # another version's file, or damaged: measure again
+    made = calibrate(model, names)
+    try:
+        made.save(path)
+    except OSError:  # a read-only cache: calibrate again next time
+        pass
+    return made

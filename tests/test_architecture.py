@@ -15,10 +15,10 @@ RANKS = {
     "attention": 0,  # the glue between transformers' attention and a cache layer (duck-typed)
     "ops": 1,  # references + C++ + Triton kernels over stream layouts; one dispatch point
     "codecs": 2,  # how one stream is encoded into packed storage
-    "weight_skip": 2,  # the decode-time linear hook (uses ops)
     "layers": 3,  # transformers cache layers over codecs
     "cache": 4,  # the Cache classes users construct
     "eval": 5,  # perplexity/KL through a cache, texts, K/V statistics
+    "weight_skip": 6,  # the decode-time linear hook (ops; eval's texts to calibrate on)
     "residual": 6,  # the learned residual cache as one feature (cache, layer, fitting, training, checkpoints)
     "registry": 7,  # one list of cache specs
     "compare": 8,  # side-by-side comparison of registry specs

@@ -15,38 +15,35 @@ pytest.importorskip("triton", reason="needs the triton extra")
 
 
 @pytest.mark.parametrize(
-    ("batch", "n_out", "n_in", "block_size", "bias"),
-    [(1, 7, 45, 16, True), (3, 65, 96, 32, False), (2, 130, 33, 8, True)],
+    ("batch", "n_out", "n_in", "threshold", "bias"),
+    [(1, 7, 45, 0.5, True), (3, 65, 96, 0.0, False), (2, 130, 33, 1.0, True)],
 )
-def test_skip_matvec_matches_reference(batch, n_out, n_in, block_size, bias):
-    from hf_deltakv.ops.triton.skip_matvec import skip_matvec
+def test_sparse_matvec_matches_reference(batch, n_out, n_in, threshold, bias):
+    from hf_deltakv.ops.triton.sparse_matvec import sparse_matvec
 
     torch.manual_seed(n_in)
     x = torch.randn(batch, n_in, dtype=torch.bfloat16).float()
-    weight = torch.randn(n_out, n_in, dtype=torch.bfloat16).float()
+    x[:, ::5] = 0  # channels zero in every row: skipped even at threshold 0
+    wt = torch.randn(n_in, n_out, dtype=torch.bfloat16).float()
     b = torch.randn(n_out, dtype=torch.bfloat16).float() if bias else None
-    blocks = -(-n_in // block_size)
-    keep = torch.rand(blocks) > 0.4
-    keep[-1] = True  # the padded last block
-    expected = reference.skip_matvec(x, weight, b, keep, block_size)
-    torch.testing.assert_close(skip_matvec(x, weight, b, keep, block_size), expected, atol=1e-4, rtol=1e-4)
-    # an input-major (transposed) weight, as the CPU layout keeps it
-    transposed = weight.t().contiguous().t()
-    torch.testing.assert_close(skip_matvec(x, transposed, b, keep, block_size), expected, atol=1e-4, rtol=1e-4)
+    scale = torch.rand(n_in) + 0.5
+    expected, kept = reference.sparse_matvec(x, wt, b, scale, threshold)
+    got, got_kept = sparse_matvec(x, wt, b, scale, threshold)
+    assert got_kept == kept < n_in
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_skip_matvec_with_nothing_kept_is_the_bias():
-    from hf_deltakv.ops.triton.skip_matvec import skip_matvec
+def test_sparse_matvec_never_reads_skipped_rows_and_with_nothing_kept_is_the_bias():
+    from hf_deltakv.ops.triton.sparse_matvec import sparse_matvec
 
-    x, weight, b = torch.randn(1, 20), torch.randn(5, 20), torch.randn(5)
-    torch.testing.assert_close(skip_matvec(x, weight, b, torch.zeros(2, dtype=torch.bool), 16), b[None])
-
-
-def test_non_power_of_two_blocks_are_refused_by_the_kernel():
-    from hf_deltakv.ops.triton.skip_matvec import skip_matvec
-
-    with pytest.raises(ValueError, match="power-of-two"):
-        skip_matvec(torch.randn(1, 12), torch.randn(3, 12), None, torch.ones(2, dtype=torch.bool), 6)
+    x, wt, b = torch.randn(1, 20), torch.randn(20, 5), torch.randn(5)
+    x[0, 10:] = 0
+    wt[10:] = float("nan")  # would poison any product that read them
+    expected, _ = reference.sparse_matvec(x[:, :10], wt[:10], b, None, 0.0)
+    torch.testing.assert_close(sparse_matvec(x, wt, b, None, 0.0)[0], expected, atol=1e-5, rtol=1e-5)
+    got, kept = sparse_matvec(torch.zeros(1, 20), wt, b, None, 0.0)
+    assert kept == 0
+    torch.testing.assert_close(got, b[None])
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"])

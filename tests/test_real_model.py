@@ -60,8 +60,12 @@ def test_greedy_generation_follows_the_uncompressed_model(real_model):
     cache = DeltaKVCache(kf=32, model=model)
     out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
     assert torch.equal(out[0, : ids.shape[1] + 4], ref[0, : ids.shape[1] + 4])
-    # ~45 tokens: the 4 raw sink tokens and the closed-loop state weigh more than at long contexts.
-    assert cache.nbytes() < 0.5 * cache.fp16_nbytes()
+    # ~45 tokens: the raw sinks and the group still filling (up to kf - 1 tokens) weigh most here.
+    assert cache.nbytes() < 0.6 * cache.fp16_nbytes()
+    long_ids = tokenizer(load_text("python-docs")[:6000], return_tensors="pt").input_ids[:, :512]
+    long_cache = DeltaKVCache(kf=32, model=model)
+    model(long_ids, cache=long_cache)
+    assert long_cache.nbytes() < 0.36 * long_cache.fp16_nbytes()  # 4.9 bits/element + sinks
 
 
 def test_residual_cache_is_under_29_percent_of_fp16_with_less_loss_than_rotated_q4_0(real_model, windows):

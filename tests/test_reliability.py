@@ -209,3 +209,26 @@ def test_caches_pickle(make):
     copy = pickle.loads(pickle.dumps(cache))
     for a, b in zip(copy.layers[0].reconstruct(), cache.layers[0].reconstruct(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_non_finite_input_spoils_only_its_own_group_and_block():
+    """One NaN key element spoils its channel in its group of kf tokens; one NaN value, its own token's block."""
+    cache = DeltaKVCache(kf=32)
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64)
+    keys[0, 0, 50, 3] = float("nan")
+    values[0, 1, 70, 5] = float("inf")
+    for start in range(0, 200, 40):
+        stored_keys, stored_values = cache.update(keys[:, :, start : start + 40], values[:, :, start : start + 40], 0)
+    bad_keys, bad_values = ~torch.isfinite(stored_keys.decoded()), ~torch.isfinite(stored_values.decoded())
+    assert int(bad_keys.sum()) == 32 and bool(bad_keys[0, 0, 32:64, 3].all())  # positions 32-63: 50's group
+    assert bad_values.any(-1).sum().item() == 1 and bool(bad_values[0, 1, 70].any())
+
+
+def test_sink_tokens_saturate_to_the_fp16_range():
+    cache = DeltaKVCache()
+    keys = torch.full((1, 1, 2, 64), 1e6)
+    keys[..., 1, :] = -1e6
+    stored_keys, _ = cache.update(keys, keys.clone(), 0)
+    assert torch.isfinite(stored_keys.decoded()).all()
+    assert stored_keys.decoded().abs().max().item() == 65504.0

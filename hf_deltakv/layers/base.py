@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.stored import stored_pair
-from ..formats import nbytes_of
+from ..formats import FP16_MAX, nbytes_of
 from ..ops.online_softmax import OnlineSoftmax
 from ..rope import RopeInverter
 
@@ -133,12 +133,18 @@ class StreamLayer(CacheLayerMixin):
             self.positions.record(start, new, _position_ids(kwargs, start, new, key_states))
         sink_new = min(max(self.sink_tokens - start, 0), new)
         if sink_new:
-            sk, sv = key_states[:, :, :sink_new].to(self.sink_dtype), value_states[:, :, :sink_new].to(self.sink_dtype)
+            sk, sv = self._to_sink(key_states[:, :, :sink_new]), self._to_sink(value_states[:, :, :sink_new])
             self.sink_keys = sk.clone() if self.sink_keys is None else torch.cat([self.sink_keys, sk], dim=2)
             self.sink_values = sv.clone() if self.sink_values is None else torch.cat([self.sink_values, sv], dim=2)
         if new > sink_new:
             self._append_stream(key_states[:, :, sink_new:], value_states[:, :, sink_new:], start + sink_new)
         self.cumulative_length += new
+
+    def _to_sink(self, states: torch.Tensor) -> torch.Tensor:
+        """Raw sink storage; fp16 saturates at its largest finite value, as the codecs' scales do (NaN stays NaN)."""
+        if self.sink_dtype == torch.float16:
+            states = states.clamp(-FP16_MAX, FP16_MAX)
+        return states.to(self.sink_dtype)
 
     def _evict(self, visible: int) -> None:
         """Drop what lies before position `visible`: the sinks, then whole pieces of the stream's storage."""

@@ -131,6 +131,8 @@ class CompressedLayer(StreamLayer):
         return dropped
 
     def _truncate_stream(self, tokens: int) -> None:
+        if tokens >= self.key_codec.length:  # nothing stored past the cut (e.g. every token is still a sink)
+            return
         self.key_codec.truncate(tokens)
         self.value_codec.truncate(tokens)
 

@@ -25,7 +25,6 @@ from .layout import (
     StreamKind,
     StreamLayout,
 )
-from .reference import skip_matvec
 
 __all__ = [
     "AdaptiveStream",
@@ -42,7 +41,8 @@ __all__ = [
     "pack_planes",
     "quantize",
     "reference",
-    "skip_matvec",
+    "sparse_matvec",
+    "sparse_matvec_kernel",
     "stream_attention",
     "triton_available",
     "use_triton",
@@ -197,3 +197,41 @@ def delta_encode_groups(
 
         return kernel(x, long_term, keyframes, block)
     return reference.delta_encode_groups(x, long_term, keyframes, block)
+
+
+_SPARSE_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16)  # weight dtypes of the C++ sparse_matvec
+_NONE = torch.empty(0)  # the C++ kernels' "no tensor"
+
+
+def sparse_matvec(
+    x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None, threshold: float
+) -> tuple[torch.Tensor, int]:
+    """`reference.sparse_matvec` (weight skip's decode linear), dispatched: the C++ kernel on the CPU (fp32, bf16 and
+    fp16 weights stored contiguous), the Triton kernel on GPUs; both read only the kept rows of the input-major
+    weight. Kernels do not record autograd: with gradients needed, the reference runs."""
+    kernel = sparse_matvec_kernel(x.device)
+    if kernel is None or (torch.is_grad_enabled() and (x.requires_grad or wt.requires_grad)):
+        return reference.sparse_matvec(x, wt, bias, scale, threshold)
+    return kernel(x, wt, bias, None if scale is None else scale.float().contiguous(), float(threshold))
+
+
+def sparse_matvec_kernel(device: torch.device):
+    """The kernel `sparse_matvec` runs on `device` as a function of the same arguments (None: the reference), for
+    callers that resolve it once: weight skip runs it ~200 times per decoded token, where every microsecond shows.
+    Kernels do not record autograd; `scale` must be fp32 and contiguous, `threshold` a float."""
+    if use_triton(device):
+        from .triton.sparse_matvec import sparse_matvec as kernel
+
+        return kernel
+    compiled = _cpu_extension(torch.device(device))
+    if compiled is None:
+        return None
+
+    def cpu_kernel(x, wt, bias, scale, threshold):
+        if wt.dtype not in _SPARSE_WEIGHTS or not wt.is_contiguous():
+            return reference.sparse_matvec(x, wt, bias, scale, threshold)
+        bias = _NONE if bias is None else bias
+        scale = _NONE if scale is None else scale
+        return compiled.sparse_matvec(x, wt, bias, scale, threshold)
+
+    return cpu_kernel

@@ -21,10 +21,11 @@ __all__ = [
     "delta_encode_groups",
     "dequantize",
     "dequantize_latent",
+    "kept_channels",
     "long_term_reference",
     "quantize",
     "segmented_prefix_sum",
-    "skip_matvec",
+    "sparse_matvec",
     "stream_attention",
 ]
 
@@ -353,17 +354,31 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
     return latent.reshape(*lead, len(bits) * GROUP)
 
 
-def skip_matvec(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """`x @ weight.T + bias` with the input blocks where `keep` [blocks] is False left out.
+def kept_channels(x: torch.Tensor, scale: torch.Tensor | None, threshold: float) -> torch.Tensor:
+    """Weight skip's rule: input channel `i` is kept when `|x_i| * scale_i >= threshold` for some row of `x`
+    [..., in] (`scale` None: 1); `threshold=0` keeps every channel with a nonzero score. bool [in]."""
+    score = x.reshape(-1, x.shape[-1]).float().abs()
+    if scale is not None:
+        score = score * scale.float()
+    return (score >= threshold if threshold > 0 else score != 0).any(0)
+
+
+def sparse_matvec(
+    x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None, threshold: float
+) -> tuple[torch.Tensor, int]:
+    """`x @ wt + bias` reading only the rows of `wt` of the kept input channels (`kept_channels`).
 
     Args:
-        x: [batch, in] activations.
-        weight: [out, in] (any strides).
+        x: [..., in] activations.
+        wt: [in, out]: the linear layer's weight stored input-major (the transpose of `nn.Linear.weight`).
         bias: [out] or None.
-        keep: bool [ceil(in / block_size)]: which blocks of `block_size` input features to compute.
+        scale, threshold: the rule of `kept_channels`.
+
+    Returns:
+        `[..., out]` in x's dtype (summed in fp32), and the number of kept channels.
     """
-    columns = keep.repeat_interleave(block_size)[: weight.shape[1]]
-    out = x[:, columns].to(weight.dtype) @ weight[:, columns].T
-    return out if bias is None else out + bias
+    keep = kept_channels(x, scale, threshold)
+    out = x.float()[..., keep] @ wt[keep].float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype), int(keep.sum())

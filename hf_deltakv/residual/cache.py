@@ -50,6 +50,12 @@ class ResidualKVCache(StreamCache):
     ) -> None:
         if model is None or not isinstance(model, nn.Module):
             raise ValueError("ResidualKVCache needs the model (model=...): its compressor is trained for one model")
+        if _sharded(model):
+            raise ValueError(
+                "ResidualKVCache cannot run under tensor parallelism: its per-layer encoder mixes all KV heads of a "
+                "layer, so a compressor cannot be split into the heads one rank holds. Use DeltaKVCache (or any "
+                "other cache of hf_deltakv) under tp_plan, or place whole layers per device (device_map)"
+            )
         if compressor is None:
             compressor = DEFAULT_COMPRESSOR
         if not isinstance(compressor, ResidualCompressor):
@@ -88,3 +94,12 @@ class ResidualKVCache(StreamCache):
             self.positions,
             self._window(layer_idx),
         )
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether `model` was loaded with a tensor-parallel plan (its weights are DTensors split over ranks)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <vector>
+#include <tuple>
 
 torch::Tensor stream_attention(torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v, py::object key_layout,
                                py::object value_layout, torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
@@ -13,7 +14,11 @@ std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, 
 torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t planes);
 torch::Tensor decode_planes(torch::Tensor planes, torch::Tensor depths, torch::Tensor low, torch::Tensor step);
 
+std::tuple<torch::Tensor, int64_t> sparse_matvec(torch::Tensor x, torch::Tensor wt, torch::Tensor bias,
+                                                 torch::Tensor scale, double threshold);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sparse_matvec", &sparse_matvec, "decode linear reading only kept input rows (weight skip)");
   m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (formats/bitplanes.py)");
   m.def("decode_planes", &decode_planes, "decoded values of whole adaptive groups (reference.decode_adaptive)");
   m.def("stream_attention", &stream_attention, "decode attention over packed codec storage");
