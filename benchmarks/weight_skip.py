@@ -1,20 +1,26 @@
-"""Weight skip on SmolLM2-135M: blocks skipped, decode speed and quality for a sweep of thresholds.
+"""Weight skip: decode speed and quality against the plain model, for a sweep of calibrated sparsities.
 
-For each threshold (relative rule, see `hf_deltakv/weight_skip.py`):
-- decode tokens/s after a prompt, with and without weight skip, measured in this one run (alternating runs, best
-  of `--repeats`), and the fraction of weight blocks skipped;
-- perplexity and KL divergence against the plain model, on WikiText-2 test fed one token at a time (weight skip acts
-  only on decode-shaped inputs, so a one-pass perplexity would not see it).
+For each model and dtype, the rows are: exact mode (`threshold=0`), calibrated `sparsity=s` for each `--sparsities`,
+and the seed's bound rule (`threshold=--bound`, blocks of 32). Per row:
+- decode tokens/s after a `--prompt`-token prompt, greedy, DynamicCache; every configuration (the plain model
+  included) runs once per round, `--rounds` rounds in a rotating order, and the median is reported, so drift on a
+  noisy machine hits all alike; the ratio is against the plain model's median in the same run;
+- perplexity, KL divergence and top-1 agreement against the plain model on WikiText-2 test: `PROMPT` tokens of each
+  window prefilled (a prompt: prefills are not skipped), then the rest fed one token at a time and scored (weight
+  skip acts on decode-shaped inputs only: a one-forward perplexity would not see it);
+- the fraction of the selected weights left unread, as counted by the hook.
 
-Writes benchmarks/results/weight_skip.json and weight_skip.png.
+Writes benchmarks/results/weight_skip.json and weight_skip.png (the speed/quality curve per model and dtype).
 
-    python benchmarks/weight_skip.py                  # ~15 min on 2 CPU cores
+    python benchmarks/weight_skip.py                         # both models, fp32 and bf16: ~40 min on 2 CPU cores
+    python benchmarks/weight_skip.py --models smollm2-135m --dtypes float32 --windows 0   # speed only, ~3 min
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +33,10 @@ from hf_deltakv.eval.texts import load_text
 from hf_deltakv.models import load_model
 from hf_deltakv.weight_skip import enable_weight_skip
 
-THRESHOLDS = (0.0, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03)
+SPARSITIES = (0.1, 0.25, 0.4, 0.5)
+BOUND = 0.01  # the bound rule's relative budget for its row
+PROMPT = 32  # tokens of each perplexity window prefilled first (as a prompt is), unscored
+TOKEN_BY_TOKEN = {"protocol": "chunked", "prefix": PROMPT, "chunk": 1}
 
 
 @torch.no_grad()
@@ -43,55 +52,94 @@ def decode_rate(model, ids: torch.Tensor, new: int) -> float:
     return new / (time.perf_counter() - start)
 
 
+def configurations(sparsities: list[float], bound: float) -> list[tuple[str, dict | None]]:
+    rows = [("plain", None), ("exact (threshold=0)", {"threshold": 0.0})]
+    rows += [(f"sparsity={s}", {"sparsity": s}) for s in sparsities]
+    rows.append((f"bound rule (threshold={bound})", {"threshold": bound}))
+    return rows
+
+
+def measure(model, tokenizer, args, dtype_name: str, model_name: str) -> list[dict]:
+    ids = tokenizer(load_text(args.text), return_tensors="pt").input_ids[0]
+    prompt = ids[None, -args.prompt :]
+    started = time.perf_counter()
+    enable_weight_skip(model, sparsity=0.1).remove()  # calibrates (or loads the cached calibration)
+    calibration_s = time.perf_counter() - started
+    configs = configurations([float(s) for s in args.sparsities.split(",")], args.bound)
+    rates: dict[str, list[float]] = {name: [] for name, _ in configs}
+    decode_rate(model, prompt, 2)  # warm-up: kernels built, caches touched
+    for round_ in range(args.rounds):
+        for name, options in configs[round_ % len(configs) :] + configs[: round_ % len(configs)]:
+            if options is None:
+                rates[name].append(decode_rate(model, prompt, args.new))
+            else:
+                with enable_weight_skip(model, **options):
+                    rates[name].append(decode_rate(model, prompt, args.new))
+    plain_rate = statistics.median(rates["plain"])
+    windows = token_windows(ids, args.ctx, args.windows) if args.windows else None
+    reference = perplexity(model, windows, keep_logprobs=True, **TOKEN_BY_TOKEN) if windows is not None else None
+    rows = []
+    for name, options in configs:
+        row = {
+            "model": model_name,
+            "dtype": dtype_name,
+            "config": name,
+            "options": options,
+            "tokens_per_s": statistics.median(rates[name]),
+            "speed_ratio": statistics.median(rates[name]) / plain_rate,
+            "rates": rates[name],
+            "calibration_s": calibration_s,
+        }
+        if options is None:
+            row.update(skipped_fraction=0.0)
+            if reference is not None:
+                row.update(perplexity=reference.perplexity, delta_pct=0.0, kl_divergence=0.0, top1_agreement=1.0)
+        else:
+            with enable_weight_skip(model, **options) as handle:
+                decode_rate(model, prompt, 4)  # counted by the hook even without quality windows
+                if reference is not None:
+                    quality = perplexity(model, windows, reference=reference.logprobs, **TOKEN_BY_TOKEN)
+                    row.update(
+                        perplexity=quality.perplexity,
+                        delta_pct=100 * (quality.perplexity / reference.perplexity - 1),
+                        kl_divergence=quality.kl_divergence,
+                        top1_agreement=quality.top1_agreement,
+                    )
+            row["skipped_fraction"] = handle.stats()["total"]["skipped_fraction"]
+        rows.append(row)
+        print(f"  {model_name} {dtype_name} {name}: {row['speed_ratio']:.2f}x", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--sparsities", default=",".join(str(s) for s in SPARSITIES))
+    parser.add_argument("--bound", type=float, default=BOUND, help="the bound rule's threshold for its row")
     parser.add_argument("--text", default=str(WIKITEXT_TEST))
-    parser.add_argument("--thresholds", default=",".join(str(t) for t in THRESHOLDS))
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--ctx", type=int, default=256, help="tokens per perplexity window (fed one at a time)")
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens before timed decoding")
-    parser.add_argument("--new", type=int, default=48, help="tokens decoded per timing run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ctx", type=int, default=256, help="tokens per perplexity window (PROMPT of them prefilled)")
+    parser.add_argument("--windows", type=int, default=2, help="perplexity windows (0: speed only)")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens before timed decoding")
+    parser.add_argument("--new", type=int, default=24, help="tokens decoded per timing run")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS / "weight_skip.json"))
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_model()
-    ids = tokenizer(load_text(args.text), return_tensors="pt").input_ids[0]
-    windows = token_windows(ids, args.ctx, args.windows)
-    prompt = ids[None, -args.prompt :]
-    token_by_token = {"protocol": "chunked", "prefix": 1, "chunk": 1}
-    reference = perplexity(model, windows, keep_logprobs=True, **token_by_token)
     rows = []
-    for threshold in (float(t) for t in args.thresholds.split(",")):
-        plain, skipping = [], []
-        for _ in range(args.repeats):  # alternate, so that drift on a noisy machine hits both alike
-            plain.append(decode_rate(model, prompt, args.new))
-            with enable_weight_skip(model, threshold=threshold, block_size=args.block_size):
-                skipping.append(decode_rate(model, prompt, args.new))
-        with enable_weight_skip(model, threshold=threshold, block_size=args.block_size) as handle:
-            quality = perplexity(model, windows, reference=reference.logprobs, **token_by_token)
-        stats = handle.stats()["total"]
-        rows.append(
-            {
-                "threshold": threshold,
-                "skipped_fraction": stats["skipped_fraction"],
-                "read_fraction": stats["blocks_read"] / max(stats["blocks_seen"], 1),
-                "plain_tokens_per_s": max(plain),
-                "skip_tokens_per_s": max(skipping),
-                "speed_ratio": max(skipping) / max(plain),
-                "perplexity": quality.perplexity,
-                "delta_pct": 100 * (quality.perplexity / reference.perplexity - 1),
-                "kl_divergence": quality.kl_divergence,
-                "top1_agreement": quality.top1_agreement,
-            }
-        )
-        print(f"  threshold {threshold}: {rows[-1]}", file=sys.stderr)
-    print(f"plain model perplexity {reference.perplexity:.4f} ({reference.tokens} tokens fed one at a time)\n")
+    for model_name in args.models.split(","):
+        for dtype_name in args.dtypes.split(","):
+            model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype_name))
+            rows += measure(model, tokenizer, args, dtype_name, model_name)
+            del model
     print(markdown(rows))
-    config = {**vars(args), "text": Path(args.text).name, "reference_perplexity": reference.perplexity}
-    config["threads"] = torch.get_num_threads()
-    config["date"] = time.strftime("%F")
+    config = {
+        **vars(args),
+        "text": Path(args.text).name,
+        "threads": torch.get_num_threads(),
+        "perplexity_prompt": PROMPT,
+        "date": time.strftime("%F"),
+    }
     Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     plot(rows, Path(args.out).with_suffix(".png"))
     print(f"\nwrote {args.out}", file=sys.stderr)
@@ -100,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| threshold | blocks skipped | weights read | decode tok/s plain | with skip | ratio | perplexity Δ | KL div. "
+        "| model | dtype | configuration | weights not read | decode tok/s | vs plain | perplexity Δ | KL div. "
         "| top-1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        quality = (
+            f"{r['delta_pct']:+.2f} % | {r['kl_divergence']:.4f} | {100 * r['top1_agreement']:.1f} %"
+            if "delta_pct" in r
+            else "– | – | –"
+        )
         lines.append(
-            f"| {r['threshold']} | {100 * r['skipped_fraction']:.2f} % | {100 * r['read_fraction']:.1f} % "
-            f"| {r['plain_tokens_per_s']:.1f} "
-            f"| {r['skip_tokens_per_s']:.1f} | {r['speed_ratio']:.2f}x | {r['delta_pct']:+.3f} % "
-            f"| {r['kl_divergence']:.5f} | {100 * r['top1_agreement']:.2f} % |"
+            f"| {r['model']} | {r['dtype']} | {r['config']} | {100 * r['skipped_fraction']:.1f} % "
+            f"| {r['tokens_per_s']:.1f} | {r['speed_ratio']:.2f}x | {quality} |"
         )
     return "\n".join(lines)
 
@@ -124,17 +175,22 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    skipped = [100 * r["skipped_fraction"] for r in rows]
-    left.plot(skipped, [r["speed_ratio"] for r in rows], marker="o")
+    series = sorted({(r["model"], r["dtype"]) for r in rows})
+    for model_name, dtype_name in series:
+        picked = [r for r in rows if (r["model"], r["dtype"]) == (model_name, dtype_name) and "sparsity" in r["config"]]
+        plain = [r for r in rows if (r["model"], r["dtype"]) == (model_name, dtype_name) and r["options"] is None]
+        picked = plain + picked
+        x = [100 * r["skipped_fraction"] for r in picked]
+        label = f"{model_name} {dtype_name}"
+        left.plot(x, [r["speed_ratio"] for r in picked], marker="o", label=label)
+        if all("delta_pct" in r for r in picked):
+            right.plot(x, [r["delta_pct"] for r in picked], marker="o", label=label)
     left.axhline(1.0, color="grey", linewidth=0.5)
-    left.set_xlabel("weight blocks skipped (%)")
+    left.set_xlabel("weights not read (%)")
     left.set_ylabel("decode tokens/s vs plain")
-    right.plot(skipped, [r["delta_pct"] for r in rows], marker="o")
-    right.axhline(0.1, color="red", linewidth=0.5, linestyle="--")
-    right.set_xlabel("weight blocks skipped (%)")
-    right.set_ylabel("perplexity Δ (%)")
-    for r, s in zip(rows, skipped, strict=True):
-        right.annotate(str(r["threshold"]), (s, r["delta_pct"]), fontsize=7)
+    left.legend(fontsize=7)
+    right.set_xlabel("weights not read (%)")
+    right.set_ylabel("perplexity Δ (%), tokens fed one at a time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -279,6 +279,8 @@ class DeltaKVCache(CompressedKVCache):
         sink_tokens: first tokens kept raw.
         model: the model; enables pre-RoPE key coding and checks its layer types.
         pre_rope: code keys before RoPE (default: when `model` is given).
+        query_weights: place the key bits by the queries' channel weights as well as the ranges (off: ranges
+            alone; an ablation switch).
 
     >>> cache = DeltaKVCache(kf=32)
     >>> cache.kf
@@ -296,6 +298,7 @@ class DeltaKVCache(CompressedKVCache):
         sink_tokens: int = 4,
         model: nn.Module | None = None,
         pre_rope: bool | None = None,
+        query_weights: bool = True,
         delta_format: str | None = None,
         keyframe_format: str | None = None,
         reference: str | None = None,
@@ -309,7 +312,7 @@ class DeltaKVCache(CompressedKVCache):
         if keys == "channel" and (isinstance(key_bits, bool) or not isinstance(key_bits, (int, float))
                                   or not 1 <= key_bits <= 8):  # fmt: skip
             raise ValueError(f"key_bits must be a number in [1, 8], got {key_bits!r}")
-        for name in ("rotate", "search_scale"):
+        for name in ("rotate", "search_scale", "query_weights"):
             _check_flag(name, locals()[name])
         token_options = {
             "delta_format": delta_format,
@@ -321,10 +324,18 @@ class DeltaKVCache(CompressedKVCache):
         given = sorted(name for name, value in token_options.items() if value is not None)
         if keys == "channel" and (given or values == "delta"):
             raise ValueError(f"{given or 'values=delta'} apply to keys='token' only")
+        if keys == "token" and not query_weights:
+            raise ValueError("query_weights applies to keys='channel' only")
         defaults = TOKEN_DELTA_DEFAULTS
         token_options = {"kf": kf, **{k: defaults[k] if v is None else v for k, v in token_options.items()}}
         if keys == "channel":
-            make_keys = _codec(AdaptiveChannelCodec, group=kf, bits=key_bits, offset=_check_sinks(sink_tokens))
+            make_keys = _codec(
+                AdaptiveChannelCodec,
+                group=kf,
+                bits=key_bits,
+                offset=_check_sinks(sink_tokens),
+                query_weights=query_weights,
+            )
             make_keys()  # validate now, not at the first forward
         else:
             DeltaCodec(**token_options)
@@ -338,7 +349,8 @@ class DeltaKVCache(CompressedKVCache):
             raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)}, got {values!r}")
         self.kf = kf
         self.options = {"kf": kf, "key_bits": key_bits, "values": values, "keys": keys, "rotate": rotate,
-                        "search_scale": search_scale, "sink_tokens": sink_tokens, **token_options}  # fmt: skip
+                        "search_scale": search_scale, "sink_tokens": sink_tokens, "query_weights": query_weights,
+                        **token_options}  # fmt: skip
         super().__init__(make_keys, make_values, sink_tokens, model, pre_rope)
 
 

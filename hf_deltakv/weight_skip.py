@@ -16,7 +16,8 @@ Decoding one token reads every weight once, and the weights are most of what a d
   block being `block_size * max|w| * max|x|`, while the skipped bounds add up to at most `t` times their sum, which
   bounds every output's error. Kept as a reference point; it skips little before quality moves.
 - `threshold=0` (exact): only channels that are zero in every sequence are skipped. Each layer is watched for its
-  first `WATCH_CALLS` decode calls; a layer that saw no zero channel goes back to its own forward (no cost at all).
+  first `WATCH_CALLS` decode calls; a layer whose zero channels would not pay for the kernel (fewer than
+  `EXACT_BREAK_EVEN` of them in fp32; none at all in bf16/fp16) goes back to its own forward (no cost at all).
 
 Where the weights are not read: while enabled, each group's weights are stored input-major in one tensor `[in, out]`
 (the parameters become views of it, so every other use of them is unchanged and no memory is added), and a
@@ -49,6 +50,10 @@ CALIBRATION_ROWS = 512  # activation rows per group whose scores set its thresho
 CALIBRATION_TOKENS = 1024  # default calibration text length, in tokens
 CALIBRATION_VERSION = 4  # bumped when the calibration's meaning changes: older files are measured again
 WATCH_CALLS = 8  # exact mode: decode calls a layer is watched for zero input channels before it settles
+# Exact mode: the fraction of skipped (zero) channels from which the kernel beats the layer's dense fp32 matvec
+# (break-even between sparsity 0.25 and 0.4 in benchmarks/weight_skip.py, SmolLM2 and Gemma 3, 2 CPU cores); in
+# bf16/fp16 the kernel is faster from the first skipped channel (CPU dense bf16 matvecs are slow).
+EXACT_BREAK_EVEN = {torch.float32: 0.3}
 
 
 @dataclass
@@ -242,7 +247,7 @@ class _SkippingGroup:
         self._offsets = [sum(self._widths[:k]) for k in range(len(self.modules))]
         self._prepared_key = None
         self._pending: list = [None] * len(members)  # outputs kept for members not called yet: (input, version, out)
-        self._zeros_seen = False
+        self._settled = False  # exact mode: the watch is over and the kernel pays here
         self.patched: list[tuple[nn.Module, str, object]] = []
         for index, module in enumerate(self.modules):
             module._weight_skip = True
@@ -366,19 +371,22 @@ class _SkippingGroup:
         return out.narrow(-1, self._offsets[index], self._widths[index])
 
     def _watch(self, index: int, x: torch.Tensor, plain) -> torch.Tensor:
-        """Exact mode (one member): skip only channels that are zero in every sequence; settle after the watch."""
-        if self._zeros_seen:
+        """Exact mode (one member): skip only channels that are zero in every sequence, once the watch showed that
+        enough of them are (see `EXACT_BREAK_EVEN`); otherwise step aside."""
+        if self._settled:
             return self._compute(index, x, plain)
         kept = int((x.reshape(-1, x.shape[-1]) != 0).any(0).sum())
         stats = self.stats
         stats.calls += 1
         stats.channels_seen += x.shape[-1]
         stats.channels_skipped += x.shape[-1] - kept
-        if kept < x.shape[-1]:
-            self._zeros_seen = True
-            self._stack()
-        elif stats.calls >= WATCH_CALLS:
-            self._unpatch()  # nothing to skip here: out of the way
+        if stats.calls >= WATCH_CALLS:
+            fraction = stats.skipped_fraction
+            if fraction > 0 and fraction >= EXACT_BREAK_EVEN.get(x.dtype, 0.0):
+                self._settled = True
+                self._stack()
+            else:
+                self._unpatch()  # too little to skip here: out of the way
         return plain(x)
 
     def _unpatch(self) -> None:

@@ -119,22 +119,26 @@ def test_exact_mode_equals_plain_linear_and_never_reads_zero_channels(dtype, bia
     with torch.no_grad():
         expected = layer(x)
         with enable_weight_skip(layer, threshold=0.0, modules=[""]) as handle:
-            layer(x)  # the first zeros seen: the layer starts skipping
+            for _ in range(WATCH_CALLS):  # 32 of 70 channels zero: worth skipping, from the end of the watch on
+                layer(x)
             layer.weight[:, 32:64] = float("nan")
             got = layer(x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
     stats = handle.stats()[""]
-    assert stats["calls"] == 2 and stats["channels_skipped"] == 2 * 32
+    assert stats["calls"] == WATCH_CALLS + 1 and stats["channels_skipped"] == (WATCH_CALLS + 1) * 32
 
 
-def test_exact_mode_steps_aside_where_nothing_is_zero():
+@pytest.mark.parametrize("zeros", [0, 8])  # fp32: 8 of 64 zero channels would not pay for the kernel
+def test_exact_mode_steps_aside_where_too_little_is_zero(zeros):
     layer = _linear(n_in=64)
     with torch.no_grad(), enable_weight_skip(layer, modules=[""]) as handle:
         for _ in range(WATCH_CALLS):
-            layer(torch.randn(1, 1, 64))
+            x = torch.randn(1, 1, 64)
+            x[..., :zeros] = 0
+            layer(x)
         assert "forward" not in layer.__dict__  # the class's own forward again: no cost at all
-        assert handle.stats()[""]["channels_skipped"] == 0
+        assert handle.stats()[""]["channels_skipped"] == WATCH_CALLS * zeros
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])

@@ -83,13 +83,13 @@ class AdaptiveChannelCodec(StreamCodec):
         offset: absolute position of the stream's first token (the cache layer's raw sink tokens come before it).
     """
 
-    def __init__(self, *, group: int, bits: float, offset: int) -> None:
+    def __init__(self, *, group: int, bits: float, offset: int, query_weights: bool = True) -> None:
         super().__init__()
         if group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
         if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 1 <= bits <= MAX_BITS:
             raise ValueError(f"bits must be a number in [1, {MAX_BITS}], got {bits!r}")
-        self.group, self.bits = group, float(bits)
+        self.group, self.bits, self.query_weights = group, float(bits), query_weights
         # The stream's first token sits in absolute group `first_group`, at slot `pad` of it.
         self.first_group, self.pad = divmod(offset, group)
         self.planes = self.depths = self.low = self.step = None  # coded groups
@@ -167,7 +167,10 @@ class AdaptiveChannelCodec(StreamCodec):
         self.coded += complete
 
     def _weights(self, groups: range, like: torch.Tensor) -> torch.Tensor | None:
-        """Mean query pair energy before each absolute group's start `[B, H, groups, D]`, None when none was seen."""
+        """Mean query pair energy before each absolute group's start `[B, H, groups, D]`, None when none was seen
+        (or `query_weights` is off: depths from the ranges alone, for the ablation)."""
+        if not self.query_weights:
+            return None
         rows = []
         for g in groups:
             total, count = self.before_group.get(g, (None, 0))

@@ -1,0 +1,58 @@
+"""Quality of every cache on both real models (SmolLM2-135M-Instruct and Gemma-3-270M): perplexity, KL divergence
+and top-1 agreement against the fp16 cache, with the bits each cache really holds, one forward per window.
+
+Writes benchmarks/results/quality.json (one `compare_caches` result per model) and prints the tables; the README's
+summary table and docs/results.md are rendered from it by readme_tables.py.
+
+    python benchmarks/quality.py                         # 4 windows of 1024 tokens of WikiText-2 test: ~25 min
+    python benchmarks/quality.py --models smollm2-135m --windows 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from paths import RESULTS, WIKITEXT_TEST
+
+from hf_deltakv.compare import compare_caches, markdown_table
+from hf_deltakv.models import load_model
+
+CACHES = ("fp16", "delta", "delta-no-model", "delta:keys=token", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
+
+
+def compare_on_models(models: list[str], caches: list[str], text: str, ctx: int, windows: int) -> dict:
+    """`compare_caches` (one forward per window) for each model, printed as it goes: {model name: result}."""
+    results = {}
+    for name in models:
+        model, tokenizer = load_model(name)
+        result = compare_caches(
+            model, tokenizer, text=text, caches=tuple(caches), ctx=(ctx,), windows=windows, progress=False,
+            protocols=("one-forward",),
+        )  # fmt: skip
+        result["config"]["model_key"] = name
+        result["config"]["text"] = Path(text).name
+        results[name] = result
+        print(f"\n{name}\n{markdown_table(result)}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    parser.add_argument("--caches", default=",".join(CACHES))
+    parser.add_argument("--text", default=str(WIKITEXT_TEST))
+    parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--out", default=str(RESULTS / "quality.json"))
+    args = parser.parse_args(argv)
+    results = compare_on_models(args.models.split(","), args.caches.split(","), args.text, args.ctx, args.windows)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

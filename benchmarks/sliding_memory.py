@@ -1,0 +1,72 @@
+"""Bytes held on Gemma-3-270M (5 of every 6 layers sliding-window 512) at 4K and 32K tokens: DeltaKVCache (with and
+without `model=`, which tells it the layer types) beside transformers' DynamicCache, which keeps only the window on
+sliding layers, in fp32 and as fp16. The model runs on random token ids, prefilled `STEP` tokens at a time (bytes
+do not depend on the text), so the cache is read the way attention reads it.
+
+    python benchmarks/sliding_memory.py                  # ~10 min on 2 CPU cores
+    python benchmarks/sliding_memory.py --lengths 4096   # ~1 min
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from paths import RESULTS
+from transformers import DynamicCache
+
+from hf_deltakv import DeltaKVCache
+from hf_deltakv.models import load_model
+
+LENGTHS = (4096, 32768)
+STEP = 2048  # tokens per update (a chunked prefill)
+
+
+def held(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def fill(model, cache, tokens: int) -> None:
+    ids = torch.randint(10, 20_000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    for start in range(0, tokens, STEP):
+        model(ids[:, start : start + STEP], cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids[:, -1:], cache=cache, use_cache=True)  # one decode step: whatever a read codes is coded
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    args = parser.parse_args()
+    model, _ = load_model("gemma3-270m")
+    config = model.config
+    rows = []
+    for tokens in map(int, args.lengths.split(",")):
+        caches = {
+            "DynamicCache (fp32)": DynamicCache(config=config),
+            "DeltaKVCache(model=model)": DeltaKVCache(model=model),
+            "DeltaKVCache() (no model: every layer keeps its history)": DeltaKVCache(),
+        }
+        for name, cache in caches.items():
+            fill(model, cache, tokens)
+            rows.append({"cache": name, "tokens": tokens, "bytes": held(cache)})
+            print(f"  {name} @ {tokens}: {rows[-1]['bytes'] / 2**20:.2f} MiB", file=sys.stderr, flush=True)
+        fp32 = rows[-3]["bytes"]
+        rows.insert(len(rows) - 2, {"cache": "DynamicCache as fp16", "tokens": tokens, "bytes": fp32 // 2})
+    print("| cache | tokens | MiB held | vs DynamicCache fp16 |\n|---|---:|---:|---:|")
+    for row in rows:
+        fp16 = next(r["bytes"] for r in rows if r["tokens"] == row["tokens"] and r["cache"] == "DynamicCache as fp16")
+        print(f"| {row['cache']} | {row['tokens']} | {row['bytes'] / 2**20:.2f} | {row['bytes'] / fp16:.2f}x |")
+    out = RESULTS / "sliding_memory.json"
+    out.write_text(json.dumps({"config": {"model": "gemma3-270m", "step": STEP}, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
