@@ -139,7 +139,7 @@ def main() -> int:
 def legacy() -> None:
     seeds = {name: table for name in "abcd" if (table := _load(f"seed_{name}.json"))}
     if seeds:
-        print("## The seed's claims\n")
+        print("\n## The seed's claims\n")
         print("\n".join(seed_verdict(seeds)))
         for name, table in seeds.items():
             for result in table["results"]:

@@ -63,6 +63,9 @@ def main() -> int:
         fp16 = next(r["bytes"] for r in rows if r["tokens"] == row["tokens"] and r["cache"] == "DynamicCache as fp16")
         print(f"| {row['cache']} | {row['tokens']} | {row['bytes'] / 2**20:.2f} | {row['bytes'] / fp16:.2f}x |")
     out = RESULTS / "sliding_memory.json"
+    measured = {row["tokens"] for row in rows}
+    if out.exists():  # lengths measured by an earlier run stay (one length at a time fits a short session)
+        rows = [row for row in json.loads(out.read_text())["rows"] if row["tokens"] not in measured] + rows
     out.write_text(json.dumps({"config": {"model": "gemma3-270m", "step": STEP}, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0
