@@ -266,7 +266,7 @@ class _SkippingGroup:
     def _stacked_views(self) -> bool:
         """Whether the members' weights are still the views of one input-major tensor made by `_stack`."""
         base = self.modules[0].weight
-        total = sum(m.weight.shape[0] for m in self.modules)
+        total = sum(self._widths)
         offset = 0
         for module in self.modules:
             w = module.weight
@@ -289,7 +289,7 @@ class _SkippingGroup:
                 module.weight.data = stacked[:, offset : offset + rows].t()
                 offset += rows
             first = self.modules[0].weight
-        total = sum(m.weight.shape[0] for m in self.modules)
+        total = sum(self._widths)
         return first.data.t().as_strided((first.shape[1], total), (total, 1))
 
     def _bias(self) -> torch.Tensor | None:
