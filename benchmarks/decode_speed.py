@@ -13,6 +13,12 @@ Our caches serve attention from their packed storage by default (`StoredKV`); no
 
     python benchmarks/decode_speed.py                       # 1K, 4K, 8K; fp32 and bf16; 3 rounds: ~90 min on 2 cores
     python benchmarks/decode_speed.py --ctx 4096 --caches dynamic,delta --dtypes float32 --rounds 2
+
+Tensor parallelism: `--ranks 1,2` also runs every configuration under `torchrun --nproc-per-node 2` (transformers'
+`tp_plan="auto"`, gloo on the CPU), the cores split between the ranks; bytes and peak memory are then summed over
+ranks, and rank 0 reports the timings (every rank waits for the others at each all-reduce).
+
+    python benchmarks/decode_speed.py --ctx 4096 --dtypes float32 --ranks 1,2 --out benchmarks/results/decode_tp.json
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
     from hf_deltakv.models import load_model
     from hf_deltakv.registry import build_cache
 
-    model, tokenizer = load_model(dtype=getattr(torch, dtype))
+    distributed = "RANK" in os.environ  # launched by torchrun: this process is one rank of a tensor-parallel job
+    model, tokenizer = load_model(dtype=getattr(torch, dtype), tp_plan="auto" if distributed else None)
     ids = tokenizer(load_text(text), return_tensors="pt").input_ids[:, :ctx]
     if ids.shape[1] < ctx:
         raise ValueError(f"{text} has only {ids.shape[1]} tokens, {ctx} asked")
@@ -71,6 +78,16 @@ def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
         logits = model(token, cache=cache, use_cache=True).logits
     decode = time.perf_counter() - start
     bits, nbytes = cache_bits(cache, kv_elements(model.config, ctx + new))
+    peak_mib = (_rss_kib("VmHWM") - baseline) / 1024
+    ranks = 1
+    if distributed:  # each rank holds its own heads: the job's figures are the sums
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size()
+        sums = torch.tensor([nbytes, peak_mib], dtype=torch.float64)
+        dist.all_reduce(sums)
+        nbytes, peak_mib = int(sums[0]), float(sums[1])
+        bits = 8 * nbytes / kv_elements(model.config, ctx + new)
     return {
         "cache": spec,
         "ctx": ctx,
@@ -79,10 +96,11 @@ def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
         "prefill_s": prefill,
         "prefill_tokens_per_s": ctx / prefill,
         "decode_tokens_per_s": new / decode,
-        "decode_peak_mib": (_rss_kib("VmHWM") - baseline) / 1024,
+        "decode_peak_mib": peak_mib,
         "cache_mib": nbytes / 2**20,
         "bits_per_element": bits,
         "threads": torch.get_num_threads(),
+        "ranks": ranks,
     }
 
 
@@ -94,15 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", default="stdlib-code", help="built-in text or file (needs >= ctx tokens)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ranks", default="1", help="tensor-parallel process counts, comma-separated (1: no TP)")
     parser.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one cache
     args = parser.parse_args(argv)
 
     if args.one:
-        print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.text, args.dtypes)))
+        result = measure_one(args.one, int(args.ctx), args.new, args.text, args.dtypes)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(result))
         return 0
+    from hf_deltakv.models import resolve_model_path
+
+    resolve_model_path(None)  # convert the embedded model once, before ranks could race to do it
     configs = [
-        (spec, int(ctx), dtype)
+        (spec, int(ctx), dtype, int(ranks))
+        for ranks in args.ranks.split(",")
         for ctx in args.ctx.split(",")
         for dtype in args.dtypes.split(",")
         for spec in args.caches.split(",")
@@ -110,17 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple, list[dict]] = {config: [] for config in configs}
     for round_ in range(args.rounds):
         shift = round_ % len(configs)
-        for spec, ctx, dtype in configs[shift:] + configs[:shift]:
-            cmd = [sys.executable, __file__, "--one", spec, "--ctx", str(ctx), "--new", str(args.new)]
+        for spec, ctx, dtype, ranks in configs[shift:] + configs[:shift]:
+            launcher, env = [sys.executable], dict(os.environ)
+            if ranks > 1:  # the cores are split between the ranks, so 1 and N processes use the same machine
+                launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+            cmd = [*launcher, __file__, "--one", spec, "--ctx", str(ctx), "--new", str(args.new)]
             cmd += ["--text", args.text, "--dtypes", dtype]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode:  # reported, and the other configurations still run
-                print(f"  {spec} at {ctx} ({dtype}) failed:\n{done.stderr[-1500:]}", file=sys.stderr)
+                print(f"  {spec} at {ctx} ({dtype}, {ranks} ranks) failed:\n{done.stderr[-1500:]}", file=sys.stderr)
                 continue
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            runs[(spec, ctx, dtype)].append(result)
+            runs[(spec, ctx, dtype, ranks)].append(result)
             speed = result["decode_tokens_per_s"]
-            print(f"  round {round_ + 1}: {spec} @ {ctx} {dtype}: {speed:.1f} tok/s", file=sys.stderr)
+            print(f"  round {round_ + 1}: {spec} @ {ctx} {dtype} x{ranks}: {speed:.1f} tok/s", file=sys.stderr)
     rows = [_median(results) for results in runs.values() if results]
     print(markdown(rows))
     config = {**vars(args), "date": time.strftime("%F")}
@@ -140,23 +169,35 @@ def _median(results: list[dict]) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table; speed ratios are against `dynamic` at the same context and dtype (medians over rounds)."""
-    by_key = {(r["cache"], r["ctx"], r.get("dtype", "float32")): r for r in rows}
+    """One table; speed ratios are against `dynamic` at the same context, dtype and rank count (medians over rounds).
+
+    With tensor-parallel rows (`ranks` > 1) the table gets a rank column and each row's decode speed against the
+    same cache in one process; bytes and peak memory are then the sums over ranks."""
+    with_ranks = any(r.get("ranks", 1) > 1 for r in rows)
+    by_key = {(r["cache"], r["ctx"], r.get("dtype", "float32"), r.get("ranks", 1)): r for r in rows}
     lines = [
-        "| cache | ctx | dtype | decode tokens/s | vs dynamic | prefill tokens/s | vs dynamic "
-        "| peak memory decoding (MiB) | cache (MiB) | bits/element |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| cache | ctx | dtype |"
+        + (" ranks |" if with_ranks else "")
+        + " decode tokens/s | vs dynamic |"
+        + (" vs 1 process |" if with_ranks else "")
+        + " prefill tokens/s | vs dynamic | peak memory decoding (MiB) | cache (MiB) | bits/element |",
+        "|---|---:|---|" + ("---:|---:|---:|---:|" if with_ranks else "---:|---:|") + "---:|---:|---:|---:|---:|",
     ]
 
-    def ratio(r: dict, field: str) -> str:
-        ref = by_key.get(("dynamic", r["ctx"], r.get("dtype", "float32")))
+    def ratio(r: dict, field: str, cache: str = "dynamic", ranks: int | None = None) -> str:
+        key = (cache, r["ctx"], r.get("dtype", "float32"), r.get("ranks", 1) if ranks is None else ranks)
+        ref = by_key.get(key)
         return f"{r[field] / ref[field]:.2f}x" if ref and field in r and field in ref else "—"
 
     for r in rows:
         prefill = f"{r['prefill_tokens_per_s']:.0f}" if "prefill_tokens_per_s" in r else "—"
+        decode = ratio(r, "decode_tokens_per_s")
+        if with_ranks:
+            decode += f" | {ratio(r, 'decode_tokens_per_s', r['cache'], 1)}"
         lines.append(
-            f"| {r['cache']} | {r['ctx']} | {r.get('dtype', 'float32')} | {r['decode_tokens_per_s']:.1f} | "
-            f"{ratio(r, 'decode_tokens_per_s')} | {prefill} | {ratio(r, 'prefill_tokens_per_s')} | "
+            f"| {r['cache']} | {r['ctx']} | {r.get('dtype', 'float32')} |"
+            + (f" {r.get('ranks', 1)} |" if with_ranks else "")
+            + f" {r['decode_tokens_per_s']:.1f} | {decode} | {prefill} | {ratio(r, 'prefill_tokens_per_s')} | "
             f"{r['decode_peak_mib']:.1f} | {r['cache_mib']:.2f} | {r['bits_per_element']:.2f} |"
         )
     return "\n".join(lines)

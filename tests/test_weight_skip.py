@@ -14,6 +14,8 @@ from hf_deltakv import ops
 from hf_deltakv.eval.texts import load_text
 from hf_deltakv.ops.reference import sparse_matvec
 from hf_deltakv.weight_skip import (
+    CURVE_LEVELS,
+    MAX_SPARSITY,
     WATCH_CALLS,
     SkipCalibration,
     block_max,
@@ -129,6 +131,17 @@ def test_exact_mode_equals_plain_linear_and_never_reads_zero_channels(dtype, bia
     assert stats["calls"] == WATCH_CALLS + 1 and stats["channels_skipped"] == (WATCH_CALLS + 1) * 32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_mode_with_half_precision_weights_takes_the_kernel_from_the_first_call(dtype):
+    layer = _linear(n_in=64, dtype=dtype)
+    x = torch.randn(1, 1, 64).to(dtype)  # nothing to skip: on the CPU the kernel still beats the dense matvec
+    with torch.no_grad(), enable_weight_skip(layer, modules=[""]) as handle:
+        assert not layer.weight.is_contiguous()  # stored input-major when enabled, not mid-generation
+        got = layer(x)
+    torch.testing.assert_close(got, layer(x), atol=2e-2, rtol=2e-2)
+    assert handle.stats()[""]["calls"] == 1 and handle.stats()[""]["channels_skipped"] == 0
+
+
 @pytest.mark.parametrize("zeros", [0, 8])  # fp32: 8 of 64 zero channels would not pay for the kernel
 def test_exact_mode_steps_aside_where_too_little_is_zero(zeros):
     layer = _linear(n_in=64)
@@ -195,8 +208,8 @@ def test_calibrated_sparsity_is_close_to_the_budget_and_the_error_grows_with_it(
 
 
 def _all_linears(model) -> list[str]:
-    head = model.get_output_embeddings()
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    """What `enable_weight_skip` selects by default: every linear, the output head included."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
 def test_calibration_saves_loads_and_refuses_tampered_or_mismatched_files(tmp_path):
@@ -210,7 +223,10 @@ def test_calibration_saves_loads_and_refuses_tampered_or_mismatched_files(tmp_pa
     text = path.read_text()
     for tampered in (
         text.replace('"thresholds": [', '"thresholds": [-1, ', 1),
-        text.replace('"version": 4', '"version": 3'),
+        text.replace('"version": 5', '"version": 4'),
+        text.replace('"kl": [', '"kl": [NaN, ', 1),  # a KL curve one level too long, with a NaN
+        text.replace('"share": ', '"share": -', 1),
+        text.replace('"kinds": {', '"kinds": {"x": {"share": 0.5, "kl": [0, 0, 0, 0, 0, 0, 0, 0, 0]}, ', 1),  # sum > 1
         text[: len(text) // 2],
         "[]",
     ):
@@ -221,6 +237,27 @@ def test_calibration_saves_loads_and_refuses_tampered_or_mismatched_files(tmp_pa
         enable_weight_skip(model, sparsity=0.2, calibration=calibration, modules=names[:3])
     with pytest.raises(ValueError, match="sparsity must be"):
         calibration.allocate(0.97)
+
+
+def test_the_allocation_spends_sparsity_where_the_measured_kl_is_lowest_and_meets_the_budget():
+    calibration = calibrate(tiny_model("llama"), _all_linears(tiny_model("llama")), _tokens())
+    assert set(calibration.kinds) == {
+        "model.layers.*.self_attn.q_proj,model.layers.*.self_attn.k_proj,model.layers.*.self_attn.v_proj",
+        "model.layers.*.self_attn.o_proj",
+        "model.layers.*.mlp.gate_proj,model.layers.*.mlp.up_proj",
+        "model.layers.*.mlp.down_proj",
+        "lm_head",
+    }
+    assert all(entry["kl"][-1] > entry["kl"][0] >= 0 for entry in calibration.kinds.values())  # measured, rising
+    cheap, dear = "model.layers.*.mlp.down_proj", "model.layers.*.self_attn.o_proj"
+    for kind, entry in calibration.kinds.items():  # make one kind nearly free and one dear, the others in between
+        entry["kl"] = [level * (0.001 if kind == cheap else 10 if kind == dear else 1) for level in CURVE_LEVELS]
+    for sparsity in (0.0, 0.1, 0.3, 0.6, MAX_SPARSITY):
+        levels = calibration.kind_levels(sparsity)
+        budget = sum(calibration.kinds[kind]["share"] * level for kind, level in levels.items())
+        assert budget == pytest.approx(sparsity, abs=1e-6)
+        assert levels[cheap] >= levels[dear] and max(levels.values()) <= MAX_SPARSITY + 1e-9
+    assert calibration.kind_levels(0.05)[dear] == 0 and calibration.kind_levels(0.05)[cheap] > 0
 
 
 def test_the_calibration_is_cached_per_model_and_module_selection(tmp_path, monkeypatch):
@@ -312,11 +349,11 @@ def test_works_with_the_compressed_cache_in_the_same_generate():
     assert torch.equal(plain, skipped) and handle.stats()["total"]["calls"] > 0
 
 
-def test_lm_head_is_opt_in_and_stats_cover_every_module():
+def test_the_output_head_is_included_unless_left_out_and_stats_cover_every_module():
     model = tiny_model("llama")
-    with enable_weight_skip(model) as handle:
+    with enable_weight_skip(model, include_lm_head=False) as handle:
         assert "lm_head" not in handle.stats()
-    with enable_weight_skip(model, include_lm_head=True) as handle:
+    with enable_weight_skip(model) as handle:
         model.generate(torch.randint(3, 128, (2, 4)), max_new_tokens=3, do_sample=False)
         stats = handle.stats()
     assert "lm_head" in stats and "model.layers.1.self_attn.q_proj" in stats
