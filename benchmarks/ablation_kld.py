@@ -8,13 +8,10 @@ stream in fp16. Tuning uses valid, never test; the reported comparison (quality.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
 from paths import RESULTS, WIKITEXT_VALID
-from quality import compare_on_models
+from quality import comparison_main
 
 VARIANTS = (
     "fp16",
@@ -36,18 +33,10 @@ VARIANTS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    parser.add_argument("--caches", default=";".join(VARIANTS), help="cache specs separated by ';'")
-    parser.add_argument("--text", default=str(WIKITEXT_VALID))
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--ctx", type=int, default=1024)
-    parser.add_argument("--out", default=str(RESULTS / "ablation_kld.json"))
-    args = parser.parse_args(argv)
-    results = compare_on_models(args.models.split(","), args.caches.split(";"), args.text, args.ctx, args.windows)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {args.out}", file=sys.stderr)
-    return 0
+    # specs hold commas (`delta:values=f16,keys=token`): separated by ';' on the command line
+    return comparison_main(
+        argv, __doc__.split("\n\n")[0], list(VARIANTS), WIKITEXT_VALID, RESULTS / "ablation_kld.json", separator=";"
+    )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
         token = logits[:, -1].argmax(-1, keepdim=True)
         logits = model(token, cache=cache, use_cache=True).logits
     decode = time.perf_counter() - start
-    bits, nbytes = cache_bits(cache, kv_elements(model.config, ctx + new))
+    elements = kv_elements(model.config, ctx + new)
+    bits, nbytes = cache_bits(cache, elements)
     peak_mib = (_rss_kib("VmHWM") - baseline) / 1024
     ranks = 1
     if distributed:  # each rank holds its own heads: the job's figures are the sums
@@ -87,7 +88,7 @@ def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
         sums = torch.tensor([nbytes, peak_mib], dtype=torch.float64)
         dist.all_reduce(sums)
         nbytes, peak_mib = int(sums[0]), float(sums[1])
-        bits = 8 * nbytes / kv_elements(model.config, ctx + new)
+        bits = 8 * nbytes / elements
     return {
         "cache": spec,
         "ctx": ctx,

@@ -39,20 +39,27 @@ def compare_on_models(models: list[str], caches: list[str], text: str, ctx: int,
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def comparison_main(
+    argv: list[str] | None, description: str, caches: list[str], text: str, out: Path, separator: str = ","
+) -> int:
+    """The command line shared by this script and ablation_kld.py: `caches` on both real models, written to `out`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    parser.add_argument("--caches", default=",".join(CACHES))
-    parser.add_argument("--text", default=str(WIKITEXT_TEST))
+    parser.add_argument("--caches", default=separator.join(caches), help=f"cache specs separated by {separator!r}")
+    parser.add_argument("--text", default=str(text))
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--out", default=str(RESULTS / "quality.json"))
+    parser.add_argument("--out", default=str(out))
     args = parser.parse_args(argv)
-    results = compare_on_models(args.models.split(","), args.caches.split(","), args.text, args.ctx, args.windows)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    results = compare_on_models(args.models.split(","), args.caches.split(separator), args.text, args.ctx, args.windows)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return comparison_main(argv, __doc__.split("\n\n")[0], CACHES, WIKITEXT_TEST, RESULTS / "quality.json")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -174,18 +174,16 @@ def legacy() -> None:
             "`ablation_kld.json`)\n"
         )
         print(markdown_table(result))
+    from decode_speed import markdown as decode_table
+
     decode = _load("decode_speed.json")
     if decode and "ctx" in decode["rows"][0]:
-        from decode_speed import markdown as decode_table
-
         print(
             f"\n## Decoding on the CPU ({decode['config']['new']} new tokens after the prompt; `decode_speed.json`)\n"
         )
         print(decode_table(decode["rows"]))
     tp = _load("decode_tp.json")
     if tp:
-        from decode_speed import markdown as decode_table
-
         print(
             f"\n## Decoding under tensor parallelism on the CPU ({tp['config']['new']} new tokens; `decode_tp.json`)\n"
         )

@@ -280,8 +280,9 @@ def _kind_costs(
     window = tokens[:CURVE_TOKENS][None].to(device)
     scored = max(1, window.shape[1] // 2)  # later positions: what a long context does to them
 
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
     def logprobs() -> torch.Tensor:
-        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         out = model(window, logits_to_keep=scored) if takes_keep else model(window)
         logits = out.logits if hasattr(out, "logits") else out
         if not isinstance(logits, torch.Tensor):
