@@ -217,7 +217,8 @@ def _column_norms(weight: torch.Tensor) -> torch.Tensor:
 def calibrate(model: nn.Module, names: list[str], tokens: torch.Tensor | None = None) -> SkipCalibration:
     """Group the named linears by shared input, measure every group's score thresholds at `LEVELS` and every kind's
     KL cost at `CURVE_LEVELS` on `tokens` [windows, length] or [length] (default: `CALIBRATION_TOKENS` tokens of
-    Python's documentation, on every install). About 30 s on SmolLM2 on 2 CPU cores."""
+    Python's documentation, on every install): one forward per window for the thresholds, then one of the first
+    `CURVE_TOKENS` per kind and curve level (5 × 9 on a Llama-style model with its head)."""
     named = dict(model.named_modules())
     if tokens is None:
         tokens = _default_tokens(model)
