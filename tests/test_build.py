@@ -101,7 +101,7 @@ def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    for source in cpu.SOURCES:
+    for source in (*cpu.SOURCES, *cpu.HEADERS):
         assert f"hf_deltakv/ops/cpu/{source.name}" in names
     assert "hf_deltakv/residual/checkpoints/smollm2-135m/compressor.safetensors" in names
     target = tmp_path / "site"

@@ -1,4 +1,5 @@
-"""ResidualKVCache: packed codes, causal references, exact raw tokens, checkpoints, refusals, training."""
+"""ResidualKVCache: packed codes, causal references, exact raw tokens, checkpoints, refusals, training, and its CPU
+kernels (encode, decode, attention with values in latent space) against their references."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_deltakv import ResidualKVCache
+from hf_deltakv import ResidualKVCache, ops
 from hf_deltakv.formats.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
+from hf_deltakv.ops import reference
 from hf_deltakv.residual import ResidualLayout, load_compressor, save_compressor
 from hf_deltakv.residual.references import nearest_references
 from hf_deltakv.residual.train import TrainConfig, train_residual
@@ -215,3 +217,65 @@ def test_training_code_is_disjoint_from_the_code_we_measure_on():
     from hf_deltakv.eval.texts import STDLIB_MODULES, TRAIN_CODE_MODULES
 
     assert not set(TRAIN_CODE_MODULES) & set(STDLIB_MODULES)
+
+
+@pytest.mark.parametrize("bits", [[4, 0, 2, 8], [3, 5, 6, 0, 0, 2], [0, 8], [6, 4, 4, 3, 3, 0, 5, 4, 4, 4, 4, 3]])
+@pytest.mark.parametrize("magnitude", [1e-3, 3.0, 1e5])
+def test_latent_kernels_match_the_reference(bits, magnitude):
+    """The C++ encoder writes the reference's bytes and scales, the decoder its values (fp32, exactly)."""
+    torch.manual_seed(len(bits))
+    latent = torch.randn(3, 37, len(bits) * GROUP) * magnitude
+    latent[0, 0, :GROUP] = 0  # an all-zero group: scale 0
+    latent[1, 2, :GROUP] = torch.arange(GROUP) - GROUP / 2  # codes landing on exact halves
+    packed, scales = ops.quantize_latent(latent, bits)
+    expected_packed, expected_scales = reference.quantize_latent(latent, bits)
+    assert torch.equal(packed, expected_packed) and torch.equal(
+        scales.view(torch.int16), expected_scales.view(torch.int16)
+    )
+    assert torch.equal(ops.dequantize_latent(packed, scales, bits), reference.dequantize_latent(packed, scales, bits))
+
+
+@pytest.mark.parametrize("rope", ["none", "full", "tied"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_latent_attention_kernel_matches_the_reference(rope, masked):
+    """Odd shapes: batch 2, 3 kv heads, 4 rows each, 700 tokens (several token ranges merged) sliced out of a longer
+    history, a fully masked row."""
+    g = torch.Generator().manual_seed(5)
+    batch, heads, rows, dim, tokens, bits = 2, 3, 4, 64, 700, [5, 0, 3, 4]
+    query = torch.randn(batch, heads, rows, dim, generator=g)
+    keys = torch.randn(batch, tokens, heads * dim, generator=g) * 2
+    codes, scales = reference.quantize_latent(torch.randn(batch, tokens + 90, len(bits) * GROUP, generator=g), bits)
+    codes, scales = codes[:, 50 : 50 + tokens], scales[:, 50 : 50 + tokens]  # a chunk of a longer history
+    cos = sin = allowed = None
+    if rope != "none":
+        width = dim if rope == "full" else dim // 2
+        angle = torch.rand(batch, width, tokens, generator=g) * 6
+        cos, sin = angle.cos(), angle.sin()
+    if masked:
+        allowed = torch.rand(batch, heads, rows, tokens, generator=g) > 0.3
+        allowed[1, 2, 1] = False
+    args = (query, keys, cos, sin, allowed, codes, scales, bits, 0.125)
+    for got, expected in zip(ops.latent_attention(*args), reference.latent_attention(*args), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_attention_reads_latents_like_the_decoded_history(arch):
+    """Without references (the built-in layout), SDPA served by a layer (values attended in latent space) equals SDPA
+    over the layer's decoded history, for one decoded query (GQA) and for a masked multi-query step."""
+    model = tiny_model(arch)
+    cache = ResidualKVCache(model=model, compressor=tiny_compressor(model), stride=0)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1)), cache=cache)
+    layer = cache.layers[1]
+    assert layer.codes is not None and layer.references is None
+    keys, values = layer.reconstruct()
+    heads = model.config.num_attention_heads
+    g = torch.Generator().manual_seed(2)
+    for n, mask in ((1, None), (3, torch.rand(2, 1, 3, keys.shape[2], generator=g) > 0.4)):
+        query = torch.randn(2, heads, n, keys.shape[-1], generator=g)
+        served = layer.sdpa(query, mask, 0.0, False, None, True)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, keys.float(), values.float(), attn_mask=mask, enable_gqa=True
+        )
+        torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-4)

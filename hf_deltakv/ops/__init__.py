@@ -38,8 +38,10 @@ __all__ = [
     "decode_stream",
     "delta_encode_groups",
     "dequantize_latent",
+    "latent_attention",
     "pack_planes",
     "quantize",
+    "quantize_latent",
     "reference",
     "sparse_matvec",
     "sparse_matvec_kernel",
@@ -180,12 +182,60 @@ def stream_attention(
 
 
 def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
-    """`reference.dequantize_latent` (residual reconstruction: packed groups to the latent), dispatched."""
+    """`reference.dequantize_latent` (residual reconstruction: packed groups to the latent), dispatched: the Triton
+    kernel on GPUs, the C++ kernel on the CPU; the same values on every path (tested)."""
     if use_triton(packed.device):
         from .triton.latent import dequantize_latent as kernel
 
         return kernel(packed, scales, bits)
-    return reference.dequantize_latent(packed, scales, bits)
+    compiled = _cpu_extension(packed.device)
+    if compiled is None:
+        return reference.dequantize_latent(packed, scales, bits)
+    lead = packed.shape[:-1]
+    rows = compiled.dequantize_latent(packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1]), bits)
+    return rows.view(*lead, rows.shape[-1])
+
+
+def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.quantize_latent` (the residual cache's encoding), dispatched: the C++ kernel on the CPU for finite
+    fp32 latents (the same bytes, tested), the reference otherwise."""
+    compiled = _cpu_extension(latent.device)
+    if compiled is None or latent.dtype != torch.float32 or not bool(torch.isfinite(latent).all()):
+        return reference.quantize_latent(latent, bits)  # non-finite values: the reference's NaN/inf rules
+    lead = latent.shape[:-1]
+    packed, scales = compiled.quantize_latent(latent.reshape(-1, latent.shape[-1]).contiguous(), bits)
+    return packed.view(*lead, packed.shape[-1]), scales.view(*lead, scales.shape[-1])
+
+
+def latent_attention(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.latent_attention` (the residual cache's decode attention over one chunk), dispatched: the C++
+    kernel on the CPU (fp32 rounding apart, the same statistics; tested), the reference elsewhere."""
+    compiled = _cpu_extension(rows.device)
+    if compiled is None:
+        return reference.latent_attention(rows, keys, cos, sin, allowed, codes, scales, bits, scale)
+    empty = rows.new_empty(0)
+    maximum, weight, acc = compiled.latent_attention(
+        rows.float(),
+        keys.float(),
+        empty if cos is None else cos,
+        empty if sin is None else sin,
+        empty if allowed is None else allowed,
+        codes,
+        scales,
+        bits,
+        scale,
+    )
+    return maximum, weight, acc
 
 
 def delta_encode_groups(

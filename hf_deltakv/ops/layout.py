@@ -130,7 +130,9 @@ StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream
 def constants() -> dict[str, int]:
     """The integers the C++ kernels switch on, by macro name (handed to the compiler as `-D` definitions)."""
     from ..formats import Kind
+    from ..formats.bitpack import GROUP
 
     table = {f"HFD_KIND_{k.name}": int(k) for k in Kind}
     table.update({f"HFD_STREAM_{k.name}": int(k) for k in StreamKind})
+    table["HFD_LATENT_GROUP"] = GROUP
     return table

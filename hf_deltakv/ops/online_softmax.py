@@ -30,16 +30,20 @@ class OnlineSoftmax:
         self.max = self.sum = self.acc = None
         self.seen = 0
 
-    def _grouped(self, kv_heads: int) -> torch.Tensor:
+    def grouped(self, kv_heads: int) -> torch.Tensor:
+        """The queries `[batch, kv_heads, group, n, dim]` (fp32), grouped by the kv head they read."""
         if self.q_heads % kv_heads:
             raise ValueError(f"{self.q_heads} query heads do not share {kv_heads} kv heads evenly")
         return self.query.view(self.batch, kv_heads, self.q_heads // kv_heads, self.n, self.dim)
 
-    def _allowed(self, start: int, end: int, device: torch.device) -> torch.Tensor | None:
-        """bool `[batch, 1 | kv_heads, 1 | group, n, end - start]` or None when every key is visible."""
+    def allowed(self, start: int, end: int, kv_heads: int, device: torch.device) -> torch.Tensor | None:
+        """bool `[batch, 1 | kv_heads, 1 | group, n, end - start]`: which queries may attend keys `start:end`; None
+        when every key is visible."""
         if self.mask is not None:
             m = self.mask[..., start:end]
-            return m.view(m.shape[0], 1, 1, *m.shape[2:]) if m.shape[1] == 1 else m
+            if m.shape[1] == 1:
+                return m.view(m.shape[0], 1, 1, *m.shape[2:])
+            return m.reshape(self.batch, kv_heads, -1, self.n, end - start)
         if self.n == 1:
             return None
         query_pos = self.kv_length - self.n + torch.arange(self.n, device=device)
@@ -49,12 +53,10 @@ class OnlineSoftmax:
         """Fold in keys/values `[batch, kv_heads, c, dim]` at key positions `start, start + 1, ...` (default: next)."""
         start = self.seen if start is None else start
         end = start + keys.shape[2]
-        q = self._grouped(keys.shape[1])
+        q = self.grouped(keys.shape[1])
         scores = torch.einsum("bhgnd,bhtd->bhgnt", q, keys.float()) * self.scale
-        allowed = self._allowed(start, end, keys.device)
+        allowed = self.allowed(start, end, keys.shape[1], keys.device)
         if allowed is not None:
-            if allowed.shape[1] == self.q_heads:
-                allowed = allowed.reshape(self.batch, keys.shape[1], -1, self.n, end - start)
             scores = scores.masked_fill(~allowed, float("-inf"))
         self._fold(scores.amax(-1), scores, values)
         self.seen = max(self.seen, end)

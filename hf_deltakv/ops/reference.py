@@ -22,8 +22,10 @@ __all__ = [
     "dequantize",
     "dequantize_latent",
     "kept_channels",
+    "latent_attention",
     "long_term_reference",
     "quantize",
+    "quantize_latent",
     "segmented_prefix_sum",
     "sparse_matvec",
     "stream_attention",
@@ -329,6 +331,22 @@ def stream_attention(
 # --- the residual cache and weight skip ---------------------------------------------------------------------------
 
 
+def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes `uint8 [..., code bytes]` and fp16 scales `[..., kept groups]` of a latent
+    `[..., len(bits) * GROUP]`, each group of `GROUP` components at its depth (`formats.bitpack`; 0 = dropped): the
+    residual cache's encoding, the inverse of `dequantize_latent`."""
+    from ..formats.bitpack import GROUP, pack_bits, quantize_group
+
+    groups = latent.reshape(*latent.shape[:-1], latent.shape[-1] // GROUP, GROUP)
+    packed, scales = [], []
+    for g, b in enumerate(bits):
+        if b:
+            codes, scale = quantize_group(groups[..., g, :], b)
+            packed.append(pack_bits(codes, b))
+            scales.append(scale)
+    return torch.cat(packed, dim=-1), torch.stack(scales, dim=-1)
+
+
 def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
     """The residual cache's latent from its packed groups (the first step of residual reconstruction).
 
@@ -352,6 +370,49 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
             latent[..., g, :] = dequantize_group(codes, scales[..., kept], b)
             offset, kept = offset + nbytes, kept + 1
     return latent.reshape(*lead, len(bits) * GROUP)
+
+
+def latent_attention(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax statistics of queries over a chunk of tokens whose values stay packed latents (the residual cache's
+    decode attention; the caller applies the value decoder once to `acc`).
+
+    Args:
+        rows: queries `[batch, kv_heads, rows, dim]` fp32 (the query heads and positions reading each kv head).
+        keys: `[batch, tokens, kv_heads * dim]` fp32, before RoPE.
+        cos, sin: channel-major RoPE tables `[batch, dim | dim / 2, tokens]` (rotate-half; half width when the halves
+            are tied), or None: no RoPE.
+        allowed: bool `[batch, kv_heads, rows, tokens]`, or None: every key visible.
+        codes, scales, bits: the value latents as `dequantize_latent` reads them, `[batch, tokens, ...]`.
+        scale: softmax scale.
+
+    Returns:
+        max `[batch, kv_heads, rows]` of the scores (-inf where nothing is visible), weight (sum of
+        `exp(score - max)`) and acc `[batch, kv_heads, rows, latent]` (the latents summed with those weights).
+    """
+    batch, heads, n_rows, dim = rows.shape
+    keys = keys.view(batch, keys.shape[1], heads, dim).transpose(1, 2)
+    if cos is not None:
+        if cos.shape[1] * 2 == dim:
+            cos, sin = torch.cat([cos, cos], 1), torch.cat([sin, sin], 1)
+        keys = apply_rope(keys, cos.transpose(1, 2)[:, None], sin.transpose(1, 2)[:, None])
+    scores = (rows.float() @ keys.transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    maximum = scores.amax(-1)
+    p = torch.exp(scores - torch.where(maximum == float("-inf"), torch.zeros_like(maximum), maximum)[..., None])
+    latent = dequantize_latent(codes, scales, bits)  # [batch, tokens, latent]
+    acc = (p.flatten(1, 2) @ latent).view(batch, heads, n_rows, -1)
+    return maximum, p.sum(-1), acc
 
 
 def kept_channels(x: torch.Tensor, scale: torch.Tensor | None, threshold: float) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.bitpack import GROUP, fake_quantize_group, pack_bits, quantize_group
-from ..ops import dequantize_latent
+from ..formats.bitpack import GROUP, fake_quantize_group
+from ..ops import dequantize_latent, quantize_latent
 from .compressor import LayerCompressor
 
 
@@ -22,18 +22,6 @@ def encode_residuals(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes `uint8 [..., code_bytes]` and scales `fp16 [..., kept groups]` of residuals `[..., dim]`."""
     return quantize_latent(compressor.encode(key_residual.float(), value_residual.float()), bits)
-
-
-def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed codes and fp16 scales of a latent `[..., len(bits) * GROUP]` (the inverse of `dequantize_latent`)."""
-    groups = _groups(latent)
-    packed, scales = [], []
-    for g, b in enumerate(bits):
-        if b:
-            codes, scale = quantize_group(groups[..., g, :], b)
-            packed.append(pack_bits(codes, b))
-            scales.append(scale)
-    return torch.cat(packed, dim=-1), torch.stack(scales, dim=-1)
 
 
 def decode_residuals(

@@ -18,7 +18,9 @@ import torch
 
 from ..formats import QuantizedTensor, nbytes_of
 from ..layers import PositionLog, StreamLayer
+from ..ops.online_softmax import OnlineSoftmax
 from ..rope import RopeInverter
+from .attention import attend_coded
 from .codec import decode_residuals, encode_residuals
 from .compressor import LayerCompressor, ResidualLayout
 from .references import is_reference, load_references, reference_mean, split_tokens
@@ -129,6 +131,28 @@ class ResidualLayer(StreamLayer):
         if not keys_parts:
             return None
         return torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Attention read from storage: sinks and window raw, coded tokens through `attend_coded` (values attended
+        in latent space). With references (`stride` > 0) the history is decoded first (`StreamLayer.attend`)."""
+        if self.codes is None or self.references is not None:
+            return super().attend(query, mask, scale)
+        offset = self._first_stored()
+        state = OnlineSoftmax(query, scale, self._stored_mask(mask, query.shape[2]), self.cumulative_length - offset)
+        if self.sink_keys is not None:
+            state.add(self.sink_keys, self.sink_values)
+
+        def rope_tables(begin: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if self.rope is None:
+                return None, None
+            cos, sin = self._cos_sin(self.sink_tokens + begin, self.sink_tokens + end, compact=True)
+            return cos[:, 0].transpose(1, 2), sin[:, 0].transpose(1, 2)  # channel-major views of the shared tables
+
+        first = self.sink_tokens - offset
+        attend_coded(state, self.compressor, self.bits, self.codes, self.scales, first, self.kv_heads, rope_tables)
+        if self.window_keys is not None and self.window_keys.shape[2]:
+            state.add(self.window_keys, self.window_values, start=first + self.compressed)
+        return state.result()
 
     def _truncate_stream(self, tokens: int) -> None:
         """A crop within the raw window drops raw tokens; coded tokens are not decoded back, so deeper is refused."""

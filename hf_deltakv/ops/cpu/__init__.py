@@ -26,8 +26,10 @@ import warnings
 from pathlib import Path
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("stream_attention.cpp", "encode.cpp", "sparse_matvec.cpp", "module.cpp")
+    Path(__file__).with_name(name)
+    for name in ("stream_attention.cpp", "encode.cpp", "sparse_matvec.cpp", "latent.cpp", "module.cpp")
 ]
+HEADERS = [Path(__file__).with_name("softmax.h")]  # included by the sources: part of the build's hash
 NAME = "hf_deltakv_cpu"
 BUILD_WAIT_S = 600  # how long a process waits for another one's build before running the reference
 
@@ -58,7 +60,7 @@ def build_key(cflags: list[str], ldflags: list[str]) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     for part in (*cflags, "|", *ldflags, torch.__version__, sys.version, platform.machine(), os.environ.get("CXX", "")):
         digest.update(part.encode())

@@ -19,7 +19,12 @@
 #include <limits>
 #include <vector>
 
+#include "softmax.h"
+
 namespace {
+
+using hfd::exp_nonpositive;
+using hfd::NEG_INF;
 
 #if !defined(HFD_KIND_F16) || !defined(HFD_STREAM_PLAIN)
 #error "build through hf_deltakv.ops.cpu: the format and stream ids come from hf_deltakv.ops.layout.constants()"
@@ -36,7 +41,6 @@ struct BitTable {
   }
 };
 const BitTable BIT_TABLE;
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 
 // Packed rows of one block format (a `formats.QuantizedTensor`): row r of a [B, H, N, ...] tensor is
@@ -496,26 +500,6 @@ inline void transpose_tile(const float* in, float* out) {
   for (int j = 0; j < TILE; ++j)
     for (int c = 0; c < D; ++c) out[c * TILE + j] = in[j * D + c];
 #endif
-}
-
-// exp(x) for x <= 0 (Cephes-style: 2^(x log2 e) split into integer and fraction, degree-6 polynomial; relative
-// error below 2e-7), written so that loops over it vectorise; std::exp does not.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // scores[r][j] = sum_c q[r][c] * kt[c][j] for rows r < rows and columns j < cols (a multiple of 32, kt zero past

@@ -1,0 +1,306 @@
+// The residual cache's packed latents on the CPU: encoded (specification: hf_deltakv.ops.reference.quantize_latent),
+// decoded to fp32 (reference.dequantize_latent), and attended without decoding the values (reference.latent_attention).
+// Each group of HFD_LATENT_GROUP codes is a little-endian bit stream at its depth b (a code spans at most two bytes),
+// offset by 2**(b-1) - 1 and multiplied by the group's fp16 scale; groups of depth 0 hold no bytes and decode as
+// zeros. One multiply per code, as the reference computes it, so the values are identical.
+#pragma GCC optimize("fp-contract=off")  // the encoder's bytes must match the reference
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "softmax.h"
+
+#if !defined(HFD_LATENT_GROUP)
+#error "build through hf_deltakv.ops.cpu: the group size comes from hf_deltakv.ops.layout.constants()"
+#endif
+
+namespace {
+
+// One group at depth B (a constant, so the loop over the group's codes unrolls into shifts and masks).
+template <int B>
+void decode_group(const uint8_t* row, float d, float* dst) {
+  constexpr uint32_t mask = (1u << B) - 1u;
+  constexpr int offset = (1 << (B - 1)) - 1;
+  for (int j = 0; j < HFD_LATENT_GROUP; ++j) {
+    const int bit = j * B, at = bit >> 3, shift = bit & 7;
+    uint32_t word = row[at];
+    if (shift + B > 8) word |= static_cast<uint32_t>(row[at + 1]) << 8;
+    dst[j] = static_cast<float>(static_cast<int>((word >> shift) & mask) - offset) * d;
+  }
+}
+
+// One token's latent: groups of depth 0 hold no bytes and no scale, and decode as zeros.
+void decode_latent_row(const uint8_t* row, const at::Half* scale, const std::vector<int64_t>& bits, float* dst) {
+  for (const int64_t b : bits) {
+    if (!b) {
+      std::fill(dst, dst + HFD_LATENT_GROUP, 0.f);
+      dst += HFD_LATENT_GROUP;
+      continue;
+    }
+    const float d = static_cast<float>(*scale++);
+    switch (b) {
+      case 1: decode_group<1>(row, d, dst); break;
+      case 2: decode_group<2>(row, d, dst); break;
+      case 3: decode_group<3>(row, d, dst); break;
+      case 4: decode_group<4>(row, d, dst); break;
+      case 5: decode_group<5>(row, d, dst); break;
+      case 6: decode_group<6>(row, d, dst); break;
+      case 7: decode_group<7>(row, d, dst); break;
+      default: decode_group<8>(row, d, dst); break;
+    }
+    row += HFD_LATENT_GROUP * b / 8;
+    dst += HFD_LATENT_GROUP;
+  }
+}
+
+using hfd::exp_nonpositive;
+using hfd::NEG_INF;
+
+constexpr int VALUE_BLOCK = 8;  // tokens whose value latents are added to the accumulators together
+
+}  // namespace
+
+torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std::vector<int64_t> bits) {
+  constexpr int64_t GROUP = HFD_LATENT_GROUP;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.stride(1) == 1,
+              "packed: uint8 [rows, bytes] with contiguous rows");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kHalf && scales.stride(1) == 1,
+              "scales: fp16 [rows, kept groups] with contiguous rows");
+  int64_t code_bytes = 0, kept = 0;
+  for (const int64_t b : bits) {
+    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
+    code_bytes += GROUP * b / 8, kept += b > 0;
+  }
+  const int64_t rows = packed.size(0);
+  TORCH_CHECK(packed.size(1) == code_bytes && scales.size(0) == rows && scales.size(1) == kept,
+              "packed bytes or scales do not match the bit depths");
+  auto out = torch::empty({rows, static_cast<int64_t>(bits.size()) * GROUP}, scales.options().dtype(torch::kFloat32));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const at::Half* ps = scales.data_ptr<at::Half>();
+  float* po = out.data_ptr<float>();
+  const int64_t packed_stride = packed.stride(0), scale_stride = scales.stride(0), width = out.size(1);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      decode_latent_row(pp + r * packed_stride, ps + r * scale_stride, bits, po + r * width);
+    }
+  });
+  return out;
+}
+
+// The residual cache's encoding of finite fp32 latents [rows, len(bits) * GROUP] (specification:
+// hf_deltakv.ops.reference.quantize_latent): per group of depth b > 0 an fp16 scale absmax / qmax (qmax = 2**(b-1) - 1,
+// saturated to the fp16 range), codes round-half-even(x / scale) in [-qmax, qmax] offset by qmax, packed
+// little-endian at b bits. IEEE single precision in the reference's order (x times the reciprocal of the scale).
+std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int64_t> bits) {
+  constexpr int64_t GROUP = HFD_LATENT_GROUP;
+  latent = latent.contiguous();
+  TORCH_CHECK(latent.dim() == 2 && latent.scalar_type() == torch::kFloat32, "latent: fp32 [rows, components]");
+  TORCH_CHECK(latent.size(1) == static_cast<int64_t>(bits.size()) * GROUP, "latent width does not match the depths");
+  int64_t code_bytes = 0, kept = 0;
+  for (const int64_t b : bits) {
+    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
+    code_bytes += GROUP * b / 8, kept += b > 0;
+  }
+  const int64_t rows = latent.size(0), width = latent.size(1);
+  auto packed = torch::zeros({rows, code_bytes}, latent.options().dtype(torch::kUInt8));
+  auto scales = torch::empty({rows, kept}, latent.options().dtype(torch::kHalf));
+  const float* px = latent.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  at::Half* ps = scales.data_ptr<at::Half>();
+  const float fp16_max = static_cast<float>(std::numeric_limits<c10::Half>::max());
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = px + r * width;
+      uint8_t* out = pp + r * code_bytes;
+      at::Half* scale = ps + r * kept;
+      for (const int64_t b : bits) {
+        if (!b) {
+          x += GROUP;
+          continue;
+        }
+        const float qmax = static_cast<float>((1 << (b - 1)) - 1);
+        float top = 0.f;
+        for (int64_t j = 0; j < GROUP; ++j) top = std::max(top, std::fabs(x[j]));
+        const at::Half half_scale = static_cast<at::Half>(std::min(top / qmax, fp16_max));
+        *scale++ = half_scale;
+        const float d = static_cast<float>(half_scale);
+        const float inverse = d > 0.f ? 1.0f / d : 0.f;
+        for (int64_t j = 0; j < GROUP; ++j) {
+          const float q = std::min(std::max(std::nearbyint(x[j] * inverse), -qmax), qmax) + qmax;
+          const uint32_t code = static_cast<uint32_t>(q);
+          const int64_t bit = j * b;
+          out[bit >> 3] |= static_cast<uint8_t>(code << (bit & 7));
+          if ((bit & 7) + b > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(code >> (8 - (bit & 7)));
+        }
+        x += GROUP;
+        out += GROUP * b / 8;
+      }
+    }
+  });
+  return {packed, scales};
+}
+
+// Softmax statistics of queries over a chunk of residual-coded tokens whose values stay latent (specification:
+// hf_deltakv.ops.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 before RoPE; cos, sin
+// channel-major [B, W, c] (W = D, or D / 2 for tied rotate-half tables) or empty; allowed bool [B, H, R, c] or empty;
+// codes uint8 [B, c, bytes] and scales fp16 [B, c, kept] (rows contiguous, any batch and token strides) of the value
+// latents at depths `bits` (depth 0: a group of zeros). Returns max, weight [B, H, R] and acc [B, H, R, L]. Work is
+// split over batch and token ranges (each decodes a token's latent once for every head), their statistics merged.
+std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor keys, torch::Tensor cos,
+                                            torch::Tensor sin, torch::Tensor allowed, torch::Tensor codes,
+                                            torch::Tensor scales, std::vector<int64_t> bits, double scale) {
+  rows = rows.contiguous(), keys = keys.contiguous();
+  const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3), C = keys.size(1);
+  const int64_t L = static_cast<int64_t>(bits.size()) * HFD_LATENT_GROUP, HR = H * R;
+  TORCH_CHECK(keys.size(0) == B && keys.size(2) == H * D && D % 2 == 0, "keys must be [batch, tokens, heads * dim]");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.stride(2) == 1 && scales.stride(2) == 1,
+              "codes and scales need contiguous rows");
+  int64_t code_bytes = 0, kept = 0;
+  for (const int64_t b : bits) {
+    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
+    code_bytes += HFD_LATENT_GROUP * b / 8, kept += b > 0;
+  }
+  TORCH_CHECK(codes.size(0) == B && codes.size(1) == C && codes.size(2) == code_bytes && scales.size(0) == B &&
+                  scales.size(1) == C && scales.size(2) == kept,
+              "codes, scales and keys cover different tokens, or codes do not match the bit depths");
+  const bool rope = cos.numel() > 0;
+  if (rope) {
+    TORCH_CHECK(cos.stride(2) == 1 && sin.strides() == cos.strides() && cos.size(2) == C,
+                "RoPE tables must be channel-major [B, W, tokens]");
+    TORCH_CHECK(cos.size(1) == D || cos.size(1) * 2 == D, "RoPE tables of another head dimension");
+  }
+  const bool masked = allowed.numel() > 0;
+  if (masked) allowed = allowed.to(torch::kBool).contiguous();
+  const int64_t half = D / 2, second = rope && cos.size(1) == D ? half : 0;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((C + 255) / 256, 2 * at::get_num_threads()));
+  const int64_t span = (C + splits - 1) / splits;
+  auto part_max = torch::full({B, splits, HR}, NEG_INF, rows.options());
+  auto part_weight = torch::zeros({B, splits, HR}, rows.options());
+  auto part_acc = torch::zeros({B, splits, HR, L}, rows.options());
+  const float* pq = rows.data_ptr<float>();
+  const float* pk = keys.data_ptr<float>();
+  const float* pc = rope ? cos.data_ptr<float>() : nullptr;
+  const float* ps = rope ? sin.data_ptr<float>() : nullptr;
+  const bool* pa = masked ? allowed.data_ptr<bool>() : nullptr;
+  const uint8_t* pcode = codes.data_ptr<uint8_t>();
+  const at::Half* pscale = scales.data_ptr<at::Half>();
+  float* pm = part_max.data_ptr<float>();
+  float* pw = part_weight.data_ptr<float>();
+  float* pacc = part_acc.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys_t, latent(VALUE_BLOCK * L), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, split = task % splits;
+      const int64_t t0 = split * span, t1 = std::min(C, t0 + span), n = t1 - t0;
+      if (n <= 0) continue;
+      keys_t.resize(D * n);
+      scores.assign(HR * n, 0.f);
+      for (int64_t h = 0; h < H; ++h) {
+        // This head's keys channel-major [D][n], RoPE re-applied (the tables are channel-major too).
+        const float* k = pk + (b * C + t0) * H * D + h * D;
+        const int64_t stride = H * D;
+        for (int64_t c = 0; c < half; ++c) {
+          float* lo = keys_t.data() + c * n;
+          float* hi = keys_t.data() + (c + half) * n;
+          if (rope) {
+            const int64_t base = b * cos.stride(0) + t0;
+            const float* cl = pc + base + c * cos.stride(1);
+            const float* sl = ps + base + c * cos.stride(1);
+            const float* ch = pc + base + (c + second) * cos.stride(1);
+            const float* sh = ps + base + (c + second) * cos.stride(1);
+            for (int64_t j = 0; j < n; ++j) {
+              const float x = k[j * stride + c], y = k[j * stride + c + half];
+              lo[j] = x * cl[j] - y * sl[j];
+              hi[j] = y * ch[j] + x * sh[j];
+            }
+          } else {
+            for (int64_t j = 0; j < n; ++j) lo[j] = k[j * stride + c], hi[j] = k[j * stride + c + half];
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) {  // scores of each row of this head: one pass over the keys per channel
+          const float* q = pq + ((b * H + h) * R + r) * D;
+          float* s = scores.data() + (h * R + r) * n;
+          for (int64_t c = 0; c < D; ++c) {
+            const float qc = q[c] * fscale;
+            const float* kc = keys_t.data() + c * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) s[j] += qc * kc[j];
+          }
+          if (pa) {
+            const bool* ok = pa + ((b * H + h) * R + r) * C + t0;
+            for (int64_t j = 0; j < n; ++j) s[j] = ok[j] ? s[j] : NEG_INF;
+          }
+        }
+      }
+      float* m = pm + task * HR;
+      float* w = pw + task * HR;
+      for (int64_t hr = 0; hr < HR; ++hr) {  // scores become weights exp(score - max), 0 where masked
+        float* s = scores.data() + hr * n;
+        float top = NEG_INF;
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+        m[hr] = top;
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = s[j] == NEG_INF ? 0.f : exp_nonpositive(s[j] - top);
+          s[j] = p;
+          total += p;
+        }
+        w[hr] = total;
+      }
+      float* acc = pacc + task * HR * L;
+      for (int64_t tb = t0; tb < t1; tb += VALUE_BLOCK) {  // latents decoded once per token, a block at a time
+        const int64_t count = std::min<int64_t>(VALUE_BLOCK, t1 - tb);
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t t = tb + j;
+          decode_latent_row(pcode + b * codes.stride(0) + t * codes.stride(1),
+                            pscale + b * scales.stride(0) + t * scales.stride(1), bits, latent.data() + j * L);
+        }
+        for (int64_t j = count; j < VALUE_BLOCK; ++j) std::fill(latent.data() + j * L, latent.data() + (j + 1) * L, 0.f);
+        for (int64_t hr = 0; hr < HR; ++hr) {  // each row's accumulator read and written once per block
+          float p[VALUE_BLOCK] = {};
+          for (int64_t j = 0; j < count; ++j) p[j] = scores[hr * n + (tb - t0) + j];
+          float* a = acc + hr * L;
+          const float* z = latent.data();
+#pragma omp simd
+          for (int64_t l = 0; l < L; ++l) {
+            float sum = a[l];
+            for (int j = 0; j < VALUE_BLOCK; ++j) sum += p[j] * z[j * L + l];
+            a[l] = sum;
+          }
+        }
+      }
+    }
+  });
+  // Merge the token ranges: each scaled by exp(its max - the overall max).
+  auto maximum = torch::empty({B, H, R}, rows.options());
+  auto weight = torch::zeros({B, H, R}, rows.options());
+  auto acc = torch::zeros({B, H, R, L}, rows.options());
+  float* om = maximum.data_ptr<float>();
+  float* ow = weight.data_ptr<float>();
+  float* oa = acc.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t hr = 0; hr < HR; ++hr) {
+      float top = NEG_INF;
+      for (int64_t split = 0; split < splits; ++split) top = std::max(top, pm[(b * splits + split) * HR + hr]);
+      om[b * HR + hr] = top;
+      if (top == NEG_INF) continue;
+      for (int64_t split = 0; split < splits; ++split) {
+        const int64_t part = (b * splits + split) * HR + hr;
+        if (pm[part] == NEG_INF) continue;
+        const float factor = std::exp(pm[part] - top);
+        ow[b * HR + hr] += pw[part] * factor;
+        const float* a = pacc + part * L;
+        float* o = oa + (b * HR + hr) * L;
+        for (int64_t l = 0; l < L; ++l) o[l] += a[l] * factor;
+      }
+    }
+  }
+  return {maximum, weight, acc};
+}
