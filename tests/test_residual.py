@@ -279,3 +279,23 @@ def test_decode_attention_reads_latents_like_the_decoded_history(arch):
             query, keys.float(), values.float(), attn_mask=mask, enable_gqa=True
         )
         torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_through_latent_attention_follows_the_decoded_history(monkeypatch):
+    """Through `generate` (a left-padded batch of 2, GQA), the served attention picks the same tokens as attention
+    over the decoded history, with scores equal to fp32 rounding."""
+    from hf_deltakv.layers import StreamLayer
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    runs = []
+    for decoded in (False, True):
+        if decoded:
+            monkeypatch.setattr(StreamLayer, "sdpa", lambda self, *args: None)
+        cache = ResidualKVCache(model=model, compressor=tiny_compressor(model), stride=0)
+        options = {"max_new_tokens": 12, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+        runs.append(model.generate(ids, attention_mask=mask, cache=cache, **options))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    torch.testing.assert_close(torch.stack(runs[0].scores), torch.stack(runs[1].scores), rtol=1e-3, atol=1e-3)
