@@ -13,6 +13,7 @@ Specification: the layer's `reconstruct()` followed by SDPA (tested within fp32 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -25,8 +26,10 @@ from .compressor import LayerCompressor
 CHUNK_TOKENS = 4096  # coded tokens decoded at a time: one chunk up to 4K tokens (fewer small ops; ~6 MB transient)
 
 
-def _kept(bits: list[int]) -> tuple[list[int], torch.Tensor, int]:
-    """Depths of the groups stored, the latent rows they fill, and their packed bytes."""
+@functools.cache
+def _kept(bits: tuple[int, ...]) -> tuple[list[int], torch.Tensor, int]:
+    """Depths of the groups stored, the latent rows they fill, and their packed bytes (once per allocation: a layer
+    asks at every decode step)."""
     rows = [g * GROUP + j for g, b in enumerate(bits) if b for j in range(GROUP)]
     return [b for b in bits if b], torch.tensor(rows, dtype=torch.long), sum(GROUP * b // 8 for b in bits)
 
@@ -54,8 +57,8 @@ def attend_coded(
             coded tokens `begin:end` (see `ops.latent_attention`), or None, None without RoPE.
     """
     half = len(bits) // 2
-    key_bits, key_rows, key_bytes = _kept(bits[:half])
-    value_bits, value_rows, _ = _kept(bits[half:])
+    key_bits, key_rows, key_bytes = _kept(tuple(bits[:half]))
+    value_bits, value_rows, _ = _kept(tuple(bits[half:]))
     key_scales = len(key_bits)
     device = codes.device
     key_decoder = compressor.key_decoder.detach()[key_rows.to(device)]  # [kept, heads * dim]

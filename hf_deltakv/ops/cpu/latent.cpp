@@ -3,7 +3,6 @@
 // Each group of HFD_LATENT_GROUP codes is a little-endian bit stream at its depth b (a code spans at most two bytes),
 // offset by 2**(b-1) - 1 and multiplied by the group's fp16 scale; groups of depth 0 hold no bytes and decode as
 // zeros. One multiply per code, as the reference computes it, so the values are identical.
-#pragma GCC optimize("fp-contract=off")  // the encoder's bytes must match the reference
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -58,6 +57,20 @@ void decode_latent_row(const uint8_t* row, const at::Half* scale, const std::vec
   }
 }
 
+// Bytes of one token's packed codes and number of fp16 scales (groups of depth > 0) at depths `bits`, checked.
+struct LatentSizes {
+  int64_t code_bytes = 0, kept = 0;
+};
+
+LatentSizes latent_sizes(const std::vector<int64_t>& bits) {
+  LatentSizes sizes;
+  for (const int64_t b : bits) {
+    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
+    sizes.code_bytes += HFD_LATENT_GROUP * b / 8, sizes.kept += b > 0;
+  }
+  return sizes;
+}
+
 using hfd::exp_nonpositive;
 using hfd::NEG_INF;
 
@@ -71,11 +84,8 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
               "packed: uint8 [rows, bytes] with contiguous rows");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kHalf && scales.stride(1) == 1,
               "scales: fp16 [rows, kept groups] with contiguous rows");
-  int64_t code_bytes = 0, kept = 0;
-  for (const int64_t b : bits) {
-    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
-    code_bytes += GROUP * b / 8, kept += b > 0;
-  }
+  const LatentSizes sizes = latent_sizes(bits);
+  const int64_t code_bytes = sizes.code_bytes, kept = sizes.kept;  // plain names: lambdas capture them
   const int64_t rows = packed.size(0);
   TORCH_CHECK(packed.size(1) == code_bytes && scales.size(0) == rows && scales.size(1) == kept,
               "packed bytes or scales do not match the bit depths");
@@ -92,6 +102,9 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
   return out;
 }
 
+// The encoder's bytes must match the reference: no fused multiply-adds in it (the attention below may fuse).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 // The residual cache's encoding of finite fp32 latents [rows, len(bits) * GROUP] (specification:
 // hf_deltakv.ops.reference.quantize_latent): per group of depth b > 0 an fp16 scale absmax / qmax (qmax = 2**(b-1) - 1,
 // saturated to the fp16 range), codes round-half-even(x / scale) in [-qmax, qmax] offset by qmax, packed
@@ -101,11 +114,8 @@ std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int
   latent = latent.contiguous();
   TORCH_CHECK(latent.dim() == 2 && latent.scalar_type() == torch::kFloat32, "latent: fp32 [rows, components]");
   TORCH_CHECK(latent.size(1) == static_cast<int64_t>(bits.size()) * GROUP, "latent width does not match the depths");
-  int64_t code_bytes = 0, kept = 0;
-  for (const int64_t b : bits) {
-    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
-    code_bytes += GROUP * b / 8, kept += b > 0;
-  }
+  const LatentSizes sizes = latent_sizes(bits);
+  const int64_t code_bytes = sizes.code_bytes, kept = sizes.kept;  // plain names: lambdas capture them
   const int64_t rows = latent.size(0), width = latent.size(1);
   auto packed = torch::zeros({rows, code_bytes}, latent.options().dtype(torch::kUInt8));
   auto scales = torch::empty({rows, kept}, latent.options().dtype(torch::kHalf));
@@ -144,6 +154,7 @@ std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int
   });
   return {packed, scales};
 }
+#pragma GCC pop_options
 
 // Softmax statistics of queries over a chunk of residual-coded tokens whose values stay latent (specification:
 // hf_deltakv.ops.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 before RoPE; cos, sin
@@ -160,11 +171,8 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
   TORCH_CHECK(keys.size(0) == B && keys.size(2) == H * D && D % 2 == 0, "keys must be [batch, tokens, heads * dim]");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.stride(2) == 1 && scales.stride(2) == 1,
               "codes and scales need contiguous rows");
-  int64_t code_bytes = 0, kept = 0;
-  for (const int64_t b : bits) {
-    TORCH_CHECK(b >= 0 && b <= 8, "bit depths must lie in 0..8");
-    code_bytes += HFD_LATENT_GROUP * b / 8, kept += b > 0;
-  }
+  const LatentSizes sizes = latent_sizes(bits);
+  const int64_t code_bytes = sizes.code_bytes, kept = sizes.kept;  // plain names: lambdas capture them
   TORCH_CHECK(codes.size(0) == B && codes.size(1) == C && codes.size(2) == code_bytes && scales.size(0) == B &&
                   scales.size(1) == C && scales.size(2) == kept,
               "codes, scales and keys cover different tokens, or codes do not match the bit depths");
