@@ -14,6 +14,7 @@ from hf_deltakv import ResidualKVCache, ops
 from hf_deltakv.formats.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
 from hf_deltakv.ops import reference
 from hf_deltakv.residual import ResidualLayout, load_compressor, save_compressor
+from hf_deltakv.residual import attention as residual_attention
 from hf_deltakv.residual.references import nearest_references
 from hf_deltakv.residual.train import TrainConfig, train_residual
 from hf_deltakv.residual.window import code_window
@@ -219,10 +220,24 @@ def test_training_code_is_disjoint_from_the_code_we_measure_on():
     assert not set(TRAIN_CODE_MODULES) & set(STDLIB_MODULES)
 
 
+@pytest.fixture(params=["vector", "scalar"])
+def latent_decoder(request):
+    """The C++ latent decoder under test: the AVX-512 VBMI one (where the build has it) or the scalar one."""
+    compiled = ops._cpu_extension(torch.device("cpu"))
+    if compiled is None:
+        pytest.skip("no CPU kernels here")
+    previous = compiled.vector_latent_decode(request.param == "vector")
+    if request.param == "vector" and not compiled.vector_latent_decode(True):
+        pytest.skip("this build has only the scalar decoder")
+    yield request.param
+    compiled.vector_latent_decode(previous)
+
+
 @pytest.mark.parametrize("bits", [[4, 0, 2, 8], [3, 5, 6, 0, 0, 2], [0, 8], [6, 4, 4, 3, 3, 0, 5, 4, 4, 4, 4, 3]])
 @pytest.mark.parametrize("magnitude", [1e-3, 3.0, 1e5])
-def test_latent_kernels_match_the_reference(bits, magnitude):
-    """The C++ encoder writes the reference's bytes and scales, the decoder its values (fp32, exactly)."""
+def test_latent_kernels_match_the_reference(bits, magnitude, latent_decoder):
+    """The C++ encoder writes the reference's bytes and scales, the decoder its values (fp32 exactly; bf16 as the
+    reference's values rounded), into a slice of a larger buffer too."""
     torch.manual_seed(len(bits))
     latent = torch.randn(3, 37, len(bits) * GROUP) * magnitude
     latent[0, 0, :GROUP] = 0  # an all-zero group: scale 0
@@ -232,14 +247,29 @@ def test_latent_kernels_match_the_reference(bits, magnitude):
     assert torch.equal(packed, expected_packed) and torch.equal(
         scales.view(torch.int16), expected_scales.view(torch.int16)
     )
+    expected = reference.dequantize_latent(packed, scales, bits)
+    assert torch.equal(ops.dequantize_latent(packed, scales, bits), expected)
+    buffer = torch.full((3 * 37 + 5, len(bits) * GROUP), 7.0, dtype=torch.bfloat16)
+    out = ops.dequantize_latent(packed.flatten(0, 1), scales.flatten(0, 1), bits, buffer[: 3 * 37])
+    assert torch.equal(out.view(torch.int16), expected.flatten(0, 1).bfloat16().view(torch.int16))
+    assert (buffer[3 * 37 :] == 7).all()  # rows after the slice untouched
+
+
+def test_latent_decoder_reads_every_depth(latent_decoder):
+    """Random bytes at every depth (every code value, groups ending on and off byte boundaries)."""
+    g = torch.Generator().manual_seed(3)
+    bits = list(BIT_DEPTHS)
+    packed = torch.randint(0, 256, (41, sum(GROUP * b // 8 for b in bits)), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(41, len(bits), generator=g) * 3).half()
     assert torch.equal(ops.dequantize_latent(packed, scales, bits), reference.dequantize_latent(packed, scales, bits))
 
 
 @pytest.mark.parametrize("rope", ["none", "full", "tied"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_latent_attention_kernel_matches_the_reference(rope, masked):
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
+def test_latent_attention_kernel_matches_the_reference(rope, masked, key_dtype):
     """Odd shapes: batch 2, 3 kv heads, 4 rows each, 700 tokens (several token ranges merged) sliced out of a longer
-    history, a fully masked row."""
+    history, a fully masked row; keys fp32 or bf16, with a mean added in the kernel."""
     g = torch.Generator().manual_seed(5)
     batch, heads, rows, dim, tokens, bits = 2, 3, 4, 64, 700, [5, 0, 3, 4]
     query = torch.randn(batch, heads, rows, dim, generator=g)
@@ -254,15 +284,18 @@ def test_latent_attention_kernel_matches_the_reference(rope, masked):
     if masked:
         allowed = torch.rand(batch, heads, rows, tokens, generator=g) > 0.3
         allowed[1, 2, 1] = False
-    args = (query, keys, cos, sin, allowed, codes, scales, bits, 0.125)
+    args = (query, keys.to(key_dtype), cos, sin, allowed, codes, scales, bits, 0.125, torch.randn(heads * dim) * 3)
     for got, expected in zip(ops.latent_attention(*args), reference.latent_attention(*args), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decode_attention_reads_latents_like_the_decoded_history(arch):
+@pytest.mark.parametrize("decoder", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_latents_like_the_decoded_history(arch, decoder, monkeypatch):
     """Without references (the built-in layout), SDPA served by a layer (values attended in latent space) equals SDPA
-    over the layer's decoded history, for one decoded query (GQA) and for a masked multi-query step."""
+    over the layer's decoded history, for one decoded query (GQA) and for a masked multi-query step: within fp32
+    rounding with the fp32 key decoder, within bf16's (8 significant bits of the keys) with the bf16 one."""
+    monkeypatch.setattr(residual_attention, "key_decoder_dtype", lambda device: decoder)
     model = tiny_model(arch)
     cache = ResidualKVCache(model=model, compressor=tiny_compressor(model), stride=0)
     with torch.no_grad():
@@ -278,7 +311,28 @@ def test_decode_attention_reads_latents_like_the_decoded_history(arch):
         expected = torch.nn.functional.scaled_dot_product_attention(
             query, keys.float(), values.float(), attn_mask=mask, enable_gqa=True
         )
-        torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-4)
+        tolerance = 1e-5 if decoder == torch.float32 else 1e-3
+        torch.testing.assert_close(served, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_decode_attention_follows_a_decoder_changed_in_place():
+    """The served decoder is prepared once, then again whenever the compressor's weights change (in place too)."""
+    model = tiny_model("llama")
+    compressor = tiny_compressor(model)
+    cache = ResidualKVCache(model=model, compressor=compressor, stride=0)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1)), cache=cache)
+    layer = cache.layers[1]
+    query = torch.randn(1, model.config.num_attention_heads, 1, layer.head_dim)
+    before = layer.sdpa(query, None, 0.0, False, None, True)
+    with torch.no_grad():
+        compressor.layers[1].key_decoder.mul_(1.5)
+        compressor.layers[1].value_decoder.mul_(0.5)
+    keys, values = layer.reconstruct()
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys.float(), values.float(), enable_gqa=True)
+    after = layer.sdpa(query, None, 0.0, False, None, True)
+    torch.testing.assert_close(after, expected, rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(after, before, atol=1e-3)
 
 
 def test_generate_through_latent_attention_follows_the_decoded_history(monkeypatch):

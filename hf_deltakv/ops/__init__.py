@@ -15,6 +15,7 @@ import os
 import torch
 
 from ..formats import QuantizedTensor, get_format
+from ..formats.bitpack import GROUP
 from . import reference
 from .layout import (
     AdaptiveStream,
@@ -181,19 +182,27 @@ def stream_attention(
     return reference.stream_attention(query, sink_keys, sink_values, keys, values, *args)
 
 
-def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int]) -> torch.Tensor:
+def dequantize_latent(
+    packed: torch.Tensor, scales: torch.Tensor, bits: list[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`reference.dequantize_latent` (residual reconstruction: packed groups to the latent), dispatched: the Triton
-    kernel on GPUs, the C++ kernel on the CPU; the same values on every path (tested)."""
-    if use_triton(packed.device):
-        from .triton.latent import dequantize_latent as kernel
-
-        return kernel(packed, scales, bits)
-    compiled = _cpu_extension(packed.device)
+    kernel on GPUs, the C++ kernel on the CPU; the same values on every path (tested). `out` (fp32, or bf16: each
+    value rounded from the fp32 one), when given, receives the latent and is returned."""
+    if out is not None and (out.dtype not in (torch.float32, torch.bfloat16) or out.shape[-1] != len(bits) * GROUP):
+        raise ValueError(f"out must be float32 or bfloat16 [..., {len(bits) * GROUP}], got {out.dtype} {out.shape}")
+    compiled = None if use_triton(packed.device) else _cpu_extension(packed.device)
     if compiled is None:
-        return reference.dequantize_latent(packed, scales, bits)
+        if use_triton(packed.device):
+            from .triton.latent import dequantize_latent as kernel
+        else:
+            kernel = reference.dequantize_latent
+        latent = kernel(packed, scales, bits)
+        return latent if out is None else out.copy_(latent)
     lead = packed.shape[:-1]
-    rows = compiled.dequantize_latent(packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1]), bits)
-    return rows.view(*lead, rows.shape[-1])
+    flat_packed, flat_scales = packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1])
+    flat_out = _NONE if out is None else out.view(-1, out.shape[-1])
+    rows = compiled.dequantize_latent(flat_packed, flat_scales, bits, flat_out)
+    return rows.view(*lead, rows.shape[-1]) if out is None else out
 
 
 def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,16 +226,18 @@ def latent_attention(
     scales: torch.Tensor,
     bits: list[int],
     scale: float,
+    key_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.latent_attention` (the residual cache's decode attention over one chunk), dispatched: the C++
     kernel on the CPU (fp32 rounding apart, the same statistics; tested), the reference elsewhere."""
     compiled = _cpu_extension(rows.device)
     if compiled is None:
-        return reference.latent_attention(rows, keys, cos, sin, allowed, codes, scales, bits, scale)
+        return reference.latent_attention(rows, keys, cos, sin, allowed, codes, scales, bits, scale, key_mean)
     empty = rows.new_empty(0)
     maximum, weight, acc = compiled.latent_attention(
         rows.float(),
-        keys.float(),
+        keys if keys.dtype == torch.bfloat16 else keys.float(),
+        empty if key_mean is None else key_mean.float(),
         empty if cos is None else cos,
         empty if sin is None else sin,
         empty if allowed is None else allowed,

@@ -54,7 +54,9 @@ class OnlineSoftmax:
         start = self.seen if start is None else start
         end = start + keys.shape[2]
         q = self.grouped(keys.shape[1])
-        scores = torch.einsum("bhgnd,bhtd->bhgnt", q, keys.float()) * self.scale
+        batch, heads, group, n, dim = q.shape
+        rows = q.reshape(batch, heads, group * n, dim)  # one matrix product per kv head (einsum's parsing costs more)
+        scores = (rows @ keys.float().transpose(-1, -2)).view(batch, heads, group, n, -1) * self.scale
         allowed = self.allowed(start, end, keys.shape[1], keys.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -65,7 +67,8 @@ class OnlineSoftmax:
         new_max = chunk_max if self.max is None else torch.maximum(self.max, chunk_max)
         safe = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
         p = torch.exp(scores - safe[..., None])
-        chunk_acc = torch.einsum("bhgnt,bhtd->bhgnd", p, values.float())
+        batch, heads, group, n, length = p.shape
+        chunk_acc = (p.reshape(batch, heads, group * n, length) @ values.float()).view(batch, heads, group, n, -1)
         if self.max is None:
             self.sum, self.acc = p.sum(-1), chunk_acc
         else:

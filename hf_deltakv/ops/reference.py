@@ -382,24 +382,27 @@ def latent_attention(
     scales: torch.Tensor,
     bits: list[int],
     scale: float,
+    key_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax statistics of queries over a chunk of tokens whose values stay packed latents (the residual cache's
     decode attention; the caller applies the value decoder once to `acc`).
 
     Args:
         rows: queries `[batch, kv_heads, rows, dim]` fp32 (the query heads and positions reading each kv head).
-        keys: `[batch, tokens, kv_heads * dim]` fp32, before RoPE.
+        keys: `[batch, tokens, kv_heads * dim]` fp32 or bf16, before RoPE, less `key_mean`.
         cos, sin: channel-major RoPE tables `[batch, dim | dim / 2, tokens]` (rotate-half; half width when the halves
             are tied), or None: no RoPE.
         allowed: bool `[batch, kv_heads, rows, tokens]`, or None: every key visible.
         codes, scales, bits: the value latents as `dequantize_latent` reads them, `[batch, tokens, ...]`.
         scale: softmax scale.
+        key_mean: fp32 `[kv_heads * dim]` added to every key (in fp32), or None.
 
     Returns:
         max `[batch, kv_heads, rows]` of the scores (-inf where nothing is visible), weight (sum of
         `exp(score - max)`) and acc `[batch, kv_heads, rows, latent]` (the latents summed with those weights).
     """
     batch, heads, n_rows, dim = rows.shape
+    keys = keys.float() if key_mean is None else keys.float() + key_mean.float()
     keys = keys.view(batch, keys.shape[1], heads, dim).transpose(1, 2)
     if cos is not None:
         if cos.shape[1] * 2 == dim:

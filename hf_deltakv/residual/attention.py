@@ -8,7 +8,13 @@ position and does not commute with the decoder), so they are decoded a chunk at 
 matrix product), RoPE re-applied, and scored; each chunk's softmax statistics are merged into the attention over the
 raw sinks and window (`OnlineSoftmax.merge`). Transient memory is one chunk, whatever the context.
 
-Specification: the layer's `reconstruct()` followed by SDPA (tested within fp32 rounding).
+The keys' decoder product is most of a step's arithmetic (every kept latent component times every channel, for every
+cached token). On CPUs with bf16 matrix units (AMX) it runs in bf16 (`key_decoder_dtype`): latents and decoder rounded
+to bf16, the product rounded to bf16, the mean added and RoPE applied in fp32 in the kernel. bf16 keeps 8 significant
+bits, finer than the 3-6-bit latent codes it multiplies, but it is a rounding the specification does not make.
+
+Specification: the layer's `reconstruct()` followed by SDPA (fp32 decoder: tested within fp32 rounding; bf16 decoder:
+within the tolerance `tests/test_residual.py` states).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .. import ops
 from ..formats.bitpack import GROUP
@@ -24,6 +31,35 @@ from ..ops.online_softmax import OnlineSoftmax
 from .compressor import LayerCompressor
 
 CHUNK_TOKENS = 4096  # coded tokens decoded at a time: one chunk up to 4K tokens (fewer small ops; ~6 MB transient)
+# The keys' decoder product runs on a multiple of this many rows (zeros after the latents): its shape then changes
+# every 256 steps, not every step, and oneDNN reuses its prepared product (a new shape costs more than the product).
+PRODUCT_ROWS = 256
+
+
+@functools.cache
+def key_decoder_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CPUs with AMX tiles (bf16 matrix products there run several times faster than fp32 ones), fp32 elsewhere
+    (without matrix units bf16 products are no faster, and GPUs take the reference path)."""
+    if device.type != "cpu":
+        return torch.float32
+    try:
+        return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+    except (AttributeError, RuntimeError):  # a torch without the probe
+        return torch.float32
+
+
+def _served(
+    compressor: LayerCompressor, name: str, key: tuple, build: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`build(compressor.<name>)`, kept on the compressor (not a parameter or buffer) and computed again only when that
+    parameter changes: a layer asks at every decode step."""
+    parameter = getattr(compressor, name)
+    entries = compressor.__dict__.setdefault("_served", {})
+    state = (parameter._version, parameter.data_ptr(), parameter.device)
+    hit = entries.get((name, *key))
+    if hit is None or hit[0] != state:
+        hit = entries[(name, *key)] = (state, build(parameter.detach()))
+    return hit[1]
 
 
 @functools.cache
@@ -57,14 +93,24 @@ def attend_coded(
             coded tokens `begin:end` (see `ops.latent_attention`), or None, None without RoPE.
     """
     half = len(bits) // 2
-    key_bits, key_rows, key_bytes = _kept(tuple(bits[:half]))
-    value_bits, value_rows, _ = _kept(tuple(bits[half:]))
+    key_key, value_key = tuple(bits[:half]), tuple(bits[half:])
+    key_bits, key_rows, key_bytes = _kept(key_key)
+    value_bits, value_rows, _ = _kept(value_key)
     key_scales = len(key_bits)
-    device = codes.device
-    key_decoder = compressor.key_decoder.detach()[key_rows.to(device)]  # [kept, heads * dim]
+    dtype = key_decoder_dtype(codes.device)
+    # [heads * dim, kept] in `dtype`: F.linear's weight layout, which bf16 matrix units take without a copy
+    key_decoder = _served(
+        compressor, "key_decoder", (key_key, dtype), lambda w: w[key_rows.to(w.device)].t().contiguous().to(dtype)
+    )
     key_mean = compressor.key_mean.detach()
     value_dim = compressor.stream_dim // kv_heads
-    value_decoder = compressor.value_decoder.detach()[value_rows.to(device)].view(-1, kv_heads, value_dim)
+    # [heads, kept, dim]: one product per head with the latents the softmax weights summed
+    value_decoder = _served(
+        compressor,
+        "value_decoder",
+        (value_key,),
+        lambda w: w[value_rows.to(w.device)].view(-1, kv_heads, value_dim).transpose(0, 1).contiguous(),
+    )
     value_mean = compressor.value_mean.detach().view(kv_heads, value_dim)
     query = state.grouped(kv_heads)
     batch, _, group, n, dim = query.shape
@@ -72,16 +118,22 @@ def attend_coded(
     total = codes.shape[1]
     for start in range(0, total, CHUNK_TOKENS):
         end = min(start + CHUNK_TOKENS, total)
-        latent = ops.dequantize_latent(codes[:, start:end, :key_bytes], scales[:, start:end, :key_scales], key_bits)
-        keys = torch.addmm(key_mean, latent.flatten(0, 1), key_decoder).view(batch, end - start, -1)
-        allowed = state.allowed(first + start, first + end, kv_heads, device)
+        count = batch * (end - start)
+        rows_padded = -(-count // PRODUCT_ROWS) * PRODUCT_ROWS
+        latent = torch.empty(rows_padded, key_decoder.shape[1], dtype=dtype, device=codes.device)
+        latent[count:].zero_()
+        ops.dequantize_latent(
+            codes[:, start:end, :key_bytes], scales[:, start:end, :key_scales], key_bits, latent[:count]
+        )
+        keys = F.linear(latent, key_decoder)[:count].view(batch, end - start, -1)  # less the mean
+        allowed = state.allowed(first + start, first + end, kv_heads, codes.device)
         if allowed is not None:
             allowed = allowed.expand(batch, kv_heads, group, n, end - start).reshape(batch, kv_heads, group * n, -1)
         cos, sin = rope_tables(start, end)
         value_codes, value_scales = codes[:, start:end, key_bytes:], scales[:, start:end, key_scales:]
         maximum, weight, latent_acc = ops.latent_attention(
-            rows, keys, cos, sin, allowed, value_codes, value_scales, value_bits, state.scale
+            rows, keys, cos, sin, allowed, value_codes, value_scales, value_bits, state.scale, key_mean
         )
-        acc = torch.einsum("bhrl,lhd->bhrd", latent_acc, value_decoder) + weight[..., None] * value_mean[:, None]
+        acc = torch.matmul(latent_acc, value_decoder) + weight[..., None] * value_mean[:, None]
         shape = (batch, kv_heads, group, n)
         state.merge(acc.view(*shape, value_dim), maximum.view(shape), weight.view(shape))

@@ -86,6 +86,12 @@ class ResidualLayer(StreamLayer):
         begin = self.sink_tokens + self.compressed
         if self.rope is not None:
             keys = self.rope.undo(keys, *self._cos_sin(begin, begin + n))
+        if self.layout.stride == 0:  # no references: every token coded against zero (split_tokens' answer, cheaper)
+            self._append_codes(
+                *encode_residuals(self.compressor, self.bits, heads_to_tokens(keys), heads_to_tokens(values))
+            )
+            self.compressed += n
+            return
         x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)
         index = torch.arange(self.compressed, self.compressed + n, device=x.device)
         split = split_tokens(x, index, self.layout, self.references)
@@ -97,12 +103,15 @@ class ResidualLayer(StreamLayer):
             dim = self.compressor.stream_dim
             residual = x[:, coded] - split.bases
             packed, scales = encode_residuals(self.compressor, self.bits, residual[..., :dim], residual[..., dim:])
-            self.codes = packed if self.codes is None else torch.cat([self.codes, packed], dim=1)
-            self.scales = scales if self.scales is None else torch.cat([self.scales, scales], dim=1)
+            self._append_codes(packed, scales)
             if split.ids is not None:
                 ids = split.ids.to(torch.int16)
                 self.reference_ids = ids if self.reference_ids is None else torch.cat([self.reference_ids, ids], 1)
         self.compressed += n
+
+    def _append_codes(self, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        self.codes = packed if self.codes is None else torch.cat([self.codes, packed], dim=1)
+        self.scales = scales if self.scales is None else torch.cat([self.scales, scales], dim=1)
 
     def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         keys_parts, value_parts = [], []

@@ -7,9 +7,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "softmax.h"
@@ -18,39 +20,99 @@
 #error "build through hf_deltakv.ops.cpu: the group size comes from hf_deltakv.ops.layout.constants()"
 #endif
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && HFD_LATENT_GROUP == 32
+#include <immintrin.h>
+#define HFD_VECTOR_DECODE 1
+#endif
+
 namespace {
 
-// One group at depth B (a constant, so the loop over the group's codes unrolls into shifts and masks).
+std::atomic<bool> vector_decode{true};  // off: the scalar decoder on every machine (tests compare the two)
+
+#ifdef HFD_VECTOR_DECODE
+// Where code j of a group at depth B lies: its two bytes go to 16-bit lane j, which is shifted right by the bit offset.
 template <int B>
-void decode_group(const uint8_t* row, float d, float* dst) {
+struct GroupLanes {
+  alignas(64) uint8_t bytes[64] = {};
+  alignas(64) uint16_t shifts[32] = {};
+  constexpr GroupLanes() {
+    for (int j = 0; j < 32; ++j) {
+      bytes[2 * j] = static_cast<uint8_t>(j * B / 8), bytes[2 * j + 1] = static_cast<uint8_t>(j * B / 8 + 1);
+      shifts[j] = static_cast<uint16_t>(j * B % 8);
+    }
+  }
+};
+template <int B>
+constexpr GroupLanes<B> kLanes{};
+
+// The scalar decoder's values, 32 codes at once: one masked load of the group's 4 * B bytes, a byte permutation, a
+// per-lane shift and mask; the same integer minus offset times the same scale, so the same floats.
+template <int B, typename T>
+void decode_group_vector(const uint8_t* row, float d, T* dst) {
+  const __m512i bytes = _mm512_maskz_loadu_epi8(static_cast<__mmask64>((1ull << (4 * B)) - 1), row);
+  __m512i codes = _mm512_permutexvar_epi8(_mm512_load_si512(kLanes<B>.bytes), bytes);
+  codes = _mm512_and_si512(_mm512_srlv_epi16(codes, _mm512_load_si512(kLanes<B>.shifts)),
+                           _mm512_set1_epi16((1 << B) - 1));
+  const __m512i offset = _mm512_set1_epi32((1 << (B - 1)) - 1);
+  const __m512 scale = _mm512_set1_ps(d);
+  const __m512 lo = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes)), offset)), scale);
+  const __m512 hi = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1)), offset)), scale);
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, lo);
+    _mm512_storeu_ps(dst + 16, hi);
+  } else {
+#ifdef __AVX512BF16__
+    // Round to nearest even, as c10::BFloat16 (the values are finite or NaN, never subnormal: fp16 scales >= 2**-24)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+#else
+    alignas(64) float values[32];
+    _mm512_store_ps(values, lo);
+    _mm512_store_ps(values + 16, hi);
+    for (int j = 0; j < 32; ++j) dst[j] = static_cast<T>(values[j]);
+#endif
+  }
+}
+#endif
+
+// One group at depth B (a constant, so the loop over the group's codes unrolls into shifts and masks), written as T
+// (float, or bf16 rounded to nearest even from the float).
+template <int B, typename T>
+void decode_group(const uint8_t* row, float d, T* dst) {
+#ifdef HFD_VECTOR_DECODE
+  if (vector_decode.load(std::memory_order_relaxed)) return decode_group_vector<B, T>(row, d, dst);
+#endif
   constexpr uint32_t mask = (1u << B) - 1u;
   constexpr int offset = (1 << (B - 1)) - 1;
   for (int j = 0; j < HFD_LATENT_GROUP; ++j) {
     const int bit = j * B, at = bit >> 3, shift = bit & 7;
     uint32_t word = row[at];
     if (shift + B > 8) word |= static_cast<uint32_t>(row[at + 1]) << 8;
-    dst[j] = static_cast<float>(static_cast<int>((word >> shift) & mask) - offset) * d;
+    dst[j] = static_cast<T>(static_cast<float>(static_cast<int>((word >> shift) & mask) - offset) * d);
   }
 }
 
 // One token's latent: groups of depth 0 hold no bytes and no scale, and decode as zeros.
-void decode_latent_row(const uint8_t* row, const at::Half* scale, const std::vector<int64_t>& bits, float* dst) {
+template <typename T>
+void decode_latent_row(const uint8_t* row, const at::Half* scale, const std::vector<int64_t>& bits, T* dst) {
   for (const int64_t b : bits) {
     if (!b) {
-      std::fill(dst, dst + HFD_LATENT_GROUP, 0.f);
+      std::fill(dst, dst + HFD_LATENT_GROUP, static_cast<T>(0.f));
       dst += HFD_LATENT_GROUP;
       continue;
     }
     const float d = static_cast<float>(*scale++);
     switch (b) {
-      case 1: decode_group<1>(row, d, dst); break;
-      case 2: decode_group<2>(row, d, dst); break;
-      case 3: decode_group<3>(row, d, dst); break;
-      case 4: decode_group<4>(row, d, dst); break;
-      case 5: decode_group<5>(row, d, dst); break;
-      case 6: decode_group<6>(row, d, dst); break;
-      case 7: decode_group<7>(row, d, dst); break;
-      default: decode_group<8>(row, d, dst); break;
+      case 1: decode_group<1, T>(row, d, dst); break;
+      case 2: decode_group<2, T>(row, d, dst); break;
+      case 3: decode_group<3, T>(row, d, dst); break;
+      case 4: decode_group<4, T>(row, d, dst); break;
+      case 5: decode_group<5, T>(row, d, dst); break;
+      case 6: decode_group<6, T>(row, d, dst); break;
+      case 7: decode_group<7, T>(row, d, dst); break;
+      default: decode_group<8, T>(row, d, dst); break;
     }
     row += HFD_LATENT_GROUP * b / 8;
     dst += HFD_LATENT_GROUP;
@@ -75,10 +137,63 @@ using hfd::exp_nonpositive;
 using hfd::NEG_INF;
 
 constexpr int VALUE_BLOCK = 8;  // tokens whose value latents are added to the accumulators together
+constexpr int64_t KEY_TILE = 64;  // tokens transposed together: their rows stay in L1 while every channel is read
+
+// Shape of one head's keys as `channel_major_keys` reads them: n tokens `stride` apart, channels c and c + half
+// rotated together by table rows c and c + second (second = 0 when the halves share one row), tables `table_stride`
+// apart per row (0: no RoPE).
+struct ChannelMajor {
+  int64_t n, stride, half, second, table_stride;
+};
+
+// One head's keys [n][stride] (plus `mean`, if any) to channel-major out [2 * half][n], rotate-half RoPE applied when
+// the tables cos, sin are given. Tiled over tokens, so the strided reads hit L1.
+template <typename K>
+void channel_major_keys(const K* k, const float* mean, const float* cos, const float* sin, const ChannelMajor& s,
+                        float* out) {
+  for (int64_t j0 = 0; j0 < s.n; j0 += KEY_TILE) {
+    const int64_t j1 = std::min(s.n, j0 + KEY_TILE);
+    for (int64_t c = 0; c < s.half; ++c) {
+      const float mean_lo = mean ? mean[c] : 0.f, mean_hi = mean ? mean[c + s.half] : 0.f;
+      float* lo = out + c * s.n;
+      float* hi = out + (c + s.half) * s.n;
+      if (cos) {
+        const float* cl = cos + c * s.table_stride;
+        const float* sl = sin + c * s.table_stride;
+        const float* ch = cos + (c + s.second) * s.table_stride;
+        const float* sh = sin + (c + s.second) * s.table_stride;
+        for (int64_t j = j0; j < j1; ++j) {
+          const float x = static_cast<float>(k[j * s.stride + c]) + mean_lo;
+          const float y = static_cast<float>(k[j * s.stride + c + s.half]) + mean_hi;
+          lo[j] = x * cl[j] - y * sl[j];
+          hi[j] = y * ch[j] + x * sh[j];
+        }
+      } else {
+        for (int64_t j = j0; j < j1; ++j) {
+          lo[j] = static_cast<float>(k[j * s.stride + c]) + mean_lo;
+          hi[j] = static_cast<float>(k[j * s.stride + c + s.half]) + mean_hi;
+        }
+      }
+    }
+  }
+}
 
 }  // namespace
 
-torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std::vector<int64_t> bits) {
+// Whether the AVX-512 VBMI decoder serves (when the build has it): `enabled` sets it; returns the previous setting,
+// or false when the build has only the scalar decoder. For tests, which hold the two to the same values.
+bool vector_latent_decode(bool enabled) {
+#ifdef HFD_VECTOR_DECODE
+  return vector_decode.exchange(enabled);
+#else
+  (void)enabled;
+  return false;
+#endif
+}
+
+// `out`: fp32 or bf16 [rows, len(bits) * GROUP] with contiguous rows (e.g. the first rows of a larger buffer, so that
+// a matrix product after it keeps its shape from step to step), or empty: a new fp32 tensor.
+torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std::vector<int64_t> bits, torch::Tensor out) {
   constexpr int64_t GROUP = HFD_LATENT_GROUP;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.stride(1) == 1,
               "packed: uint8 [rows, bytes] with contiguous rows");
@@ -89,16 +204,26 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
   const int64_t rows = packed.size(0);
   TORCH_CHECK(packed.size(1) == code_bytes && scales.size(0) == rows && scales.size(1) == kept,
               "packed bytes or scales do not match the bit depths");
-  auto out = torch::empty({rows, static_cast<int64_t>(bits.size()) * GROUP}, scales.options().dtype(torch::kFloat32));
+  const int64_t width = static_cast<int64_t>(bits.size()) * GROUP;
+  if (out.numel() == 0) out = torch::empty({rows, width}, scales.options().dtype(torch::kFloat32));
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == width && out.stride(1) == 1,
+              "out must be [rows, latent width] with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16, "out: fp32 or bf16");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const at::Half* ps = scales.data_ptr<at::Half>();
-  float* po = out.data_ptr<float>();
-  const int64_t packed_stride = packed.stride(0), scale_stride = scales.stride(0), width = out.size(1);
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      decode_latent_row(pp + r * packed_stride, ps + r * scale_stride, bits, po + r * width);
-    }
-  });
+  const int64_t packed_stride = packed.stride(0), scale_stride = scales.stride(0), out_stride = out.stride(0);
+  auto decode = [&](auto* po) {
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        decode_latent_row(pp + r * packed_stride, ps + r * scale_stride, bits, po + r * out_stride);
+      }
+    });
+  };
+  if (out.scalar_type() == torch::kBFloat16) {
+    decode(out.data_ptr<at::BFloat16>());
+  } else {
+    decode(out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -157,18 +282,28 @@ std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int
 #pragma GCC pop_options
 
 // Softmax statistics of queries over a chunk of residual-coded tokens whose values stay latent (specification:
-// hf_deltakv.ops.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 before RoPE; cos, sin
+// hf_deltakv.ops.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 or bf16 before RoPE,
+// key_mean [H * D] fp32 added to them (or empty); cos, sin
 // channel-major [B, W, c] (W = D, or D / 2 for tied rotate-half tables) or empty; allowed bool [B, H, R, c] or empty;
 // codes uint8 [B, c, bytes] and scales fp16 [B, c, kept] (rows contiguous, any batch and token strides) of the value
 // latents at depths `bits` (depth 0: a group of zeros). Returns max, weight [B, H, R] and acc [B, H, R, L]. Work is
 // split over batch and token ranges (each decodes a token's latent once for every head), their statistics merged.
-std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor keys, torch::Tensor cos,
-                                            torch::Tensor sin, torch::Tensor allowed, torch::Tensor codes,
-                                            torch::Tensor scales, std::vector<int64_t> bits, double scale) {
+std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor keys, torch::Tensor key_mean,
+                                            torch::Tensor cos, torch::Tensor sin, torch::Tensor allowed,
+                                            torch::Tensor codes, torch::Tensor scales, std::vector<int64_t> bits,
+                                            double scale) {
   rows = rows.contiguous(), keys = keys.contiguous();
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat32, "rows must be fp32");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 || keys.scalar_type() == torch::kBFloat16,
+              "keys must be fp32 or bf16");
   const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3), C = keys.size(1);
   const int64_t L = static_cast<int64_t>(bits.size()) * HFD_LATENT_GROUP, HR = H * R;
   TORCH_CHECK(keys.size(0) == B && keys.size(2) == H * D && D % 2 == 0, "keys must be [batch, tokens, heads * dim]");
+  const bool centered = key_mean.numel() > 0;
+  if (centered) {
+    key_mean = key_mean.contiguous();
+    TORCH_CHECK(key_mean.scalar_type() == torch::kFloat32 && key_mean.numel() == H * D, "key_mean: fp32 [heads * dim]");
+  }
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.stride(2) == 1 && scales.stride(2) == 1,
               "codes and scales need contiguous rows");
   const LatentSizes sizes = latent_sizes(bits);
@@ -191,7 +326,10 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
   auto part_weight = torch::zeros({B, splits, HR}, rows.options());
   auto part_acc = torch::zeros({B, splits, HR, L}, rows.options());
   const float* pq = rows.data_ptr<float>();
-  const float* pk = keys.data_ptr<float>();
+  const bool bf16_keys = keys.scalar_type() == torch::kBFloat16;
+  const float* pk32 = bf16_keys ? nullptr : keys.data_ptr<float>();
+  const at::BFloat16* pk16 = bf16_keys ? keys.data_ptr<at::BFloat16>() : nullptr;
+  const float* pmean = centered ? key_mean.data_ptr<float>() : nullptr;
   const float* pc = rope ? cos.data_ptr<float>() : nullptr;
   const float* ps = rope ? sin.data_ptr<float>() : nullptr;
   const bool* pa = masked ? allowed.data_ptr<bool>() : nullptr;
@@ -202,7 +340,10 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
   float* pacc = part_acc.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> keys_t, latent(VALUE_BLOCK * L), scores;
+    // Per-thread working buffers kept between calls: freshly allocated, a quarter-megabyte buffer is new pages (the
+    // kernel zeroes them) at every decode step of every layer.
+    thread_local std::vector<float> keys_t, latent, scores;
+    latent.resize(VALUE_BLOCK * L);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits, split = task % splits;
       const int64_t t0 = split * span, t1 = std::min(C, t0 + span), n = t1 - t0;
@@ -211,30 +352,28 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
       scores.assign(HR * n, 0.f);
       for (int64_t h = 0; h < H; ++h) {
         // This head's keys channel-major [D][n], RoPE re-applied (the tables are channel-major too).
-        const float* k = pk + (b * C + t0) * H * D + h * D;
-        const int64_t stride = H * D;
-        for (int64_t c = 0; c < half; ++c) {
-          float* lo = keys_t.data() + c * n;
-          float* hi = keys_t.data() + (c + half) * n;
-          if (rope) {
-            const int64_t base = b * cos.stride(0) + t0;
-            const float* cl = pc + base + c * cos.stride(1);
-            const float* sl = ps + base + c * cos.stride(1);
-            const float* ch = pc + base + (c + second) * cos.stride(1);
-            const float* sh = ps + base + (c + second) * cos.stride(1);
-            for (int64_t j = 0; j < n; ++j) {
-              const float x = k[j * stride + c], y = k[j * stride + c + half];
-              lo[j] = x * cl[j] - y * sl[j];
-              hi[j] = y * ch[j] + x * sh[j];
-            }
-          } else {
-            for (int64_t j = 0; j < n; ++j) lo[j] = k[j * stride + c], hi[j] = k[j * stride + c + half];
-          }
+        const int64_t first = (b * C + t0) * H * D + h * D;
+        const float* mean = centered ? pmean + h * D : nullptr;
+        const float* cl = rope ? pc + b * cos.stride(0) + t0 : nullptr;
+        const float* sl = rope ? ps + b * cos.stride(0) + t0 : nullptr;
+        const ChannelMajor layout{n, H * D, half, second, rope ? cos.stride(1) : 0};
+        if (bf16_keys) {
+          channel_major_keys(pk16 + first, mean, cl, sl, layout, keys_t.data());
+        } else {
+          channel_major_keys(pk32 + first, mean, cl, sl, layout, keys_t.data());
         }
-        for (int64_t r = 0; r < R; ++r) {  // scores of each row of this head: one pass over the keys per channel
+        for (int64_t r = 0; r < R; ++r) {  // scores of each row of this head: one pass per 4 channels
           const float* q = pq + ((b * H + h) * R + r) * D;
           float* s = scores.data() + (h * R + r) * n;
-          for (int64_t c = 0; c < D; ++c) {
+          int64_t c = 0;
+          for (; c + 4 <= D; c += 4) {
+            const float q0 = q[c] * fscale, q1 = q[c + 1] * fscale, q2 = q[c + 2] * fscale, q3 = q[c + 3] * fscale;
+            const float* k0 = keys_t.data() + c * n;
+            const float *k1 = k0 + n, *k2 = k1 + n, *k3 = k2 + n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) s[j] += q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j];
+          }
+          for (; c < D; ++c) {
             const float qc = q[c] * fscale;
             const float* kc = keys_t.data() + c * n;
 #pragma omp simd
@@ -251,7 +390,8 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
       for (int64_t hr = 0; hr < HR; ++hr) {  // scores become weights exp(score - max), 0 where masked
         float* s = scores.data() + hr * n;
         float top = NEG_INF;
-        for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < n; ++j) top = s[j] > top ? s[j] : top;  // NaN passed over, as std::max(top, s) does
         m[hr] = top;
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
