@@ -64,7 +64,7 @@ void decode_group_vector(const uint8_t* row, float d, T* dst) {
     _mm512_storeu_ps(dst + 16, hi);
   } else {
 #ifdef __AVX512BF16__
-    // Round to nearest even, as c10::BFloat16 (the values are finite or NaN, never subnormal: fp16 scales >= 2**-24)
+    // Round to nearest even, as c10::BFloat16 does for these values (never subnormal: fp16 scales >= 2**-24)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(lo));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), (__m256i)_mm512_cvtneps_pbh(hi));
 #else
