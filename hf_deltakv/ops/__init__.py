@@ -190,9 +190,10 @@ def dequantize_latent(
     value rounded from the fp32 one), when given, receives the latent and is returned."""
     if out is not None and (out.dtype not in (torch.float32, torch.bfloat16) or out.shape[-1] != len(bits) * GROUP):
         raise ValueError(f"out must be float32 or bfloat16 [..., {len(bits) * GROUP}], got {out.dtype} {out.shape}")
-    compiled = None if use_triton(packed.device) else _cpu_extension(packed.device)
+    triton = use_triton(packed.device)
+    compiled = None if triton else _cpu_extension(packed.device)
     if compiled is None:
-        if use_triton(packed.device):
+        if triton:
             from .triton.latent import dequantize_latent as kernel
         else:
             kernel = reference.dequantize_latent

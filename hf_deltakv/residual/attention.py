@@ -93,14 +93,14 @@ def attend_coded(
             coded tokens `begin:end` (see `ops.latent_attention`), or None, None without RoPE.
     """
     half = len(bits) // 2
-    key_key, value_key = tuple(bits[:half]), tuple(bits[half:])
-    key_bits, key_rows, key_bytes = _kept(key_key)
-    value_bits, value_rows, _ = _kept(value_key)
+    key_depths, value_depths = tuple(bits[:half]), tuple(bits[half:])
+    key_bits, key_rows, key_bytes = _kept(key_depths)
+    value_bits, value_rows, _ = _kept(value_depths)
     key_scales = len(key_bits)
     dtype = key_decoder_dtype(codes.device)
     # [heads * dim, kept] in `dtype`: F.linear's weight layout, which bf16 matrix units take without a copy
     key_decoder = _served(
-        compressor, "key_decoder", (key_key, dtype), lambda w: w[key_rows.to(w.device)].t().contiguous().to(dtype)
+        compressor, "key_decoder", (key_depths, dtype), lambda w: w[key_rows.to(w.device)].t().contiguous().to(dtype)
     )
     key_mean = compressor.key_mean.detach()
     value_dim = compressor.stream_dim // kv_heads
@@ -108,7 +108,7 @@ def attend_coded(
     value_decoder = _served(
         compressor,
         "value_decoder",
-        (value_key,),
+        (value_depths,),
         lambda w: w[value_rows.to(w.device)].view(-1, kv_heads, value_dim).transpose(0, 1).contiguous(),
     )
     value_mean = compressor.value_mean.detach().view(kv_heads, value_dim)
