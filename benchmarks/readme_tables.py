@@ -223,8 +223,9 @@ def legacy() -> None:
         print(
             f"\n## Weight skip: {cfg['text']}, {cfg['windows']} window(s) of {cfg['ctx']} tokens, the first "
             f"{cfg.get('perplexity_prompt', 1)} prefilled, the rest fed one at a time; decode speed after a "
-            f"{cfg['prompt']}-token prompt, {cfg['threads']} threads, median of {cfg['rounds']} rounds "
-            "(`weight_skip.json`)\n"
+            f"{cfg['prompt']}-token prompt, {cfg['threads']} threads, median of {cfg['rounds']} rounds; the last "
+            f"column: {cfg.get('sim_windows', 0)} windows of the same text, each in one forward with the rule applied "
+            "to every token (`SkipSimulator`) (`weight_skip.json`)\n"
         )
         print(skip_table(skip["rows"]))
         if any("kind_levels" in r for r in skip["rows"]):

@@ -2,7 +2,7 @@
 
 from .cache import CompressedKVCache, DeltaKVCache, KIVIKVCache, QuantizedKVCache
 from .residual.cache import ResidualKVCache
-from .weight_skip import enable_weight_skip
+from .weight_skip import SkipSimulator, enable_weight_skip
 
 __all__ = [
     "CompressedKVCache",
@@ -10,6 +10,7 @@ __all__ = [
     "KIVIKVCache",
     "QuantizedKVCache",
     "ResidualKVCache",
+    "SkipSimulator",
     "enable_weight_skip",
 ]
 __version__ = "0.1.0"

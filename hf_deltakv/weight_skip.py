@@ -43,7 +43,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,7 +54,15 @@ from torch import nn
 
 from . import ops
 
-__all__ = ["SkipCalibration", "SkipStats", "WeightSkipHandle", "calibrate", "enable_weight_skip", "keep_mask"]
+__all__ = [
+    "SkipCalibration",
+    "SkipSimulator",
+    "SkipStats",
+    "WeightSkipHandle",
+    "calibrate",
+    "enable_weight_skip",
+    "keep_mask",
+]
 
 LEVELS = tuple(round(0.05 * k, 2) for k in range(20))  # per-group sparsity levels calibrated: 0, 0.05, ... 0.95
 CURVE_LEVELS = tuple(round(0.1 * k, 1) for k in range(1, 10))  # levels at which each kind's KL cost is measured
@@ -63,7 +72,8 @@ CALIBRATION_ROWS = 512  # activation rows per group whose scores set its thresho
 CALIBRATION_TOKENS = 1024  # default calibration text length, in tokens
 CURVE_TOKENS = 512  # tokens of the first calibration window run per KL measurement (the last half scored)
 CALIBRATION_VERSION = 5  # bumped when the calibration's meaning changes: older files are measured again
-WATCH_CALLS = 8  # exact mode: decode calls a layer is watched for zero input channels before it settles
+WATCH_CALLS = 2  # exact mode: decode calls a layer is watched for zero input channels before it settles (each
+# watched call costs ~20 us per layer: 8 calls cost SmolLM2 4 % of a 24-token decode in fp32, 2 calls 1.3 %)
 # Exact mode: the fraction of skipped (zero) channels from which the kernel beats the layer's dense matvec (fp32:
 # between sparsity 0.25 and 0.4 in benchmarks/weight_skip.py, SmolLM2 and Gemma 3, 2 CPU cores). 0: always, on the
 # CPU taken from the start without a watch (CPU dense bf16/fp16 matvecs are slower than the kernel reading every row).
@@ -256,7 +266,9 @@ def calibrate(model: nn.Module, names: list[str], tokens: torch.Tensor | None = 
         thresholds = [float(ordered[int(level * (len(ordered) - 1))]) if level else 0.0 for level in LEVELS]
         calibration.groups[key] = {"thresholds": thresholds}
     captured.clear()
-    calibration.kinds = _kind_costs(model, named, calibration, norms, tokens.reshape(-1, tokens.shape[-1])[0])
+    calibration.kinds = _kind_costs(
+        model, calibration, _Emulation(named, norms), tokens.reshape(-1, tokens.shape[-1])[0]
+    )
     return calibration
 
 
@@ -271,8 +283,57 @@ def _skipping_hook(scale: torch.Tensor, limit: float):
     return hook
 
 
+class _Emulation:
+    """Weight skip's rule applied by hooks to every token of an ordinary forward (each token its own kept channels):
+    what a skip costs, measured in one pass over a text. The calibration's KL curves and `SkipSimulator` use it."""
+
+    def __init__(self, named: dict[str, nn.Module], norms: dict[str, torch.Tensor]) -> None:
+        self.named, self.norms = named, norms
+
+    @contextmanager
+    def limits(self, limits: dict[str, float]) -> Iterator[None]:
+        """Skip in each group of `limits` (group key -> score threshold) while the context is open."""
+        hooks = []
+        try:
+            for key, limit in limits.items():
+                members = [self.named[member] for member in key.split(",")]
+                hook = _skipping_hook(self.norms[key].to(members[0].weight.device), limit)
+                hooks += [member.register_forward_pre_hook(hook) for member in members]
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+class SkipSimulator:
+    """`enable_weight_skip(model, sparsity=s)`'s arithmetic on every token of an ordinary forward, to measure its
+    quality on long texts in one pass per window (decoding applies the same rule one token at a time, through a
+    kernel tested against the same rule): `with SkipSimulator(model).skipping(0.25): model(ids)`. The arguments are
+    `enable_weight_skip`'s."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Iterable[str] | None = None,
+        include_lm_head: bool = True,
+        calibration: SkipCalibration | str | Path | torch.Tensor | None = None,
+    ) -> None:
+        names = _selected(model, modules, include_lm_head)
+        self.calibration = _calibration(model, names, calibration)
+        named = dict(model.named_modules())
+        norms = {
+            key: _column_norms(torch.cat([named[m].weight.detach() for m in key.split(",")]))
+            for key in self.calibration.groups
+        }
+        self._emulation = _Emulation(named, norms)
+
+    def skipping(self, sparsity: float) -> AbstractContextManager[None]:
+        """A context in which the model's forwards skip as `enable_weight_skip(model, sparsity=sparsity)` decodes."""
+        return self._emulation.limits(self.calibration.allocate(sparsity))
+
+
 def _kind_costs(
-    model: nn.Module, named: dict, calibration: SkipCalibration, norms: dict[str, torch.Tensor], tokens: torch.Tensor
+    model: nn.Module, calibration: SkipCalibration, emulation: _Emulation, tokens: torch.Tensor
 ) -> dict[str, dict]:
     """Per kind: its share of the selected weights and the KL divergence of the logits from the plain model's when
     that kind alone skips at each of `CURVE_LEVELS`, on the first `CURVE_TOKENS` of `tokens`. Every token of a
@@ -294,23 +355,16 @@ def _kind_costs(
     by_kind: dict[str, list[str]] = {}
     for key in calibration.groups:
         by_kind.setdefault(kind_of(key), []).append(key)
+    named = emulation.named
     size = {key: sum(named[m].weight.numel() for m in key.split(",")) for key in calibration.groups}
     total = sum(size.values())
     kinds = {}
     for kind, keys in by_kind.items():
         kl = []
         for level in CURVE_LEVELS:
-            hooks = []
-            for key in keys:
-                limit = _interpolate(LEVELS, calibration.groups[key]["thresholds"], level)
-                scale = norms[key].to(device)
-                for member in key.split(","):
-                    hooks.append(named[member].register_forward_pre_hook(_skipping_hook(scale, limit)))
-            try:
+            limits = {key: _interpolate(LEVELS, calibration.groups[key]["thresholds"], level) for key in keys}
+            with emulation.limits(limits):
                 skipped = logprobs()
-            finally:
-                for hook in hooks:
-                    hook.remove()
             kl.append(float((plain.exp() * (plain - skipped)).sum(-1).mean()))
         kinds[kind] = {"share": sum(size[key] for key in keys) / total, "kl": kl}
     return kinds

@@ -18,6 +18,7 @@ from hf_deltakv.weight_skip import (
     MAX_SPARSITY,
     WATCH_CALLS,
     SkipCalibration,
+    SkipSimulator,
     block_max,
     calibrate,
     enable_weight_skip,
@@ -358,6 +359,24 @@ def test_the_output_head_is_included_unless_left_out_and_stats_cover_every_modul
         stats = handle.stats()
     assert "lm_head" in stats and "model.layers.1.self_attn.q_proj" in stats
     assert stats["total"]["calls"] == sum(s["calls"] for n, s in stats.items() if n != "total") > 0
+
+
+def test_the_simulator_computes_what_decoding_token_by_token_computes():
+    """`SkipSimulator` applies the rule to every token of one forward; decoding a sequence from its first token applies
+    it to every token one at a time (through the kernel): the same logits, to float rounding."""
+    model = tiny_model("llama")
+    calibration = calibrate(model, _all_linears(model), _tokens())
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), SkipSimulator(model, calibration=calibration).skipping(0.3):
+        simulated = model(ids).logits
+    with enable_weight_skip(model, sparsity=0.3, calibration=calibration) as handle:
+        decoded = _decode_logits(model, ids, steps=ids.shape[1] - 1)
+        assert handle.stats()["total"]["skipped_fraction"] > 0.1
+    plain = _decode_logits(model, ids, steps=ids.shape[1] - 1)
+    assert (decoded - plain).abs().max() > 1e-2  # it skipped something that shows
+    torch.testing.assert_close(decoded, simulated, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain, atol=1e-4, rtol=1e-4)  # the hooks came off
 
 
 def test_accelerate_hooked_modules_keep_their_hook():
