@@ -62,8 +62,8 @@ def simulated_quality(model, windows: list[torch.Tensor], sparsities: list[float
     forward each with `SkipSimulator`, scored after `PROMPT` tokens (the plain run is redone per window rather than
     kept: a window's log-probabilities over Gemma's vocabulary are 0.3 GB)."""
     simulator = SkipSimulator(model)
-    sums = {s: {"nll": 0.0, "kl": 0.0, "agree": 0.0} for s in [0.0, *sparsities]}
-    count = 0
+    sums = {s: {"nll": 0.0, "kl": 0.0, "agree": 0.0} for s in sparsities}
+    plain_nll, count = 0.0, 0
     device = next(model.parameters()).device
 
     def scored(ids: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def simulated_quality(model, windows: list[torch.Tensor], sparsities: list[float
         ids = window[None].to(device)
         targets = ids[0, PROMPT:, None]
         plain = scored(ids)
-        sums[0.0]["nll"] -= float(plain.gather(1, targets).sum())
+        plain_nll -= float(plain.gather(1, targets).sum())
         for sparsity in sparsities:
             with simulator.skipping(sparsity):
                 skipping = scored(ids)
@@ -81,7 +81,7 @@ def simulated_quality(model, windows: list[torch.Tensor], sparsities: list[float
             sums[sparsity]["kl"] += float((plain.exp() * (plain - skipping)).sum())
             sums[sparsity]["agree"] += float((plain.argmax(-1) == skipping.argmax(-1)).sum())
         count += len(targets)
-    base = sums[0.0]["nll"] / count
+    base = plain_nll / count
     return {
         s: {
             "sim_delta_pct": 100 * (math.exp(sums[s]["nll"] / count - base) - 1),

@@ -261,14 +261,12 @@ def calibrate(model: nn.Module, names: list[str], tokens: torch.Tensor | None = 
         x = torch.cat([c.reshape(-1, c.shape[-1]) for c in captured[members[0]]]).float()
         x = x[torch.randperm(len(x), generator=generator)[:CALIBRATION_ROWS]]
         key = ",".join(members)
-        norms[key] = _column_norms(torch.cat([named[m].weight.detach() for m in members]))
+        norms[key] = _group_norms(named, key)
         ordered = (x.abs() * norms[key]).flatten().sort().values
         thresholds = [float(ordered[int(level * (len(ordered) - 1))]) if level else 0.0 for level in LEVELS]
         calibration.groups[key] = {"thresholds": thresholds}
     captured.clear()
-    calibration.kinds = _kind_costs(
-        model, calibration, _Emulation(named, norms), tokens.reshape(-1, tokens.shape[-1])[0]
-    )
+    calibration.kinds = _kind_costs(model, named, calibration, norms, tokens.reshape(-1, tokens.shape[-1])[0])
     return calibration
 
 
@@ -283,26 +281,26 @@ def _skipping_hook(scale: torch.Tensor, limit: float):
     return hook
 
 
-class _Emulation:
-    """Weight skip's rule applied by hooks to every token of an ordinary forward (each token its own kept channels):
-    what a skip costs, measured in one pass over a text. The calibration's KL curves and `SkipSimulator` use it."""
+def _group_norms(named: dict[str, nn.Module], key: str) -> torch.Tensor:
+    """The score weights `||W[:, i]||` of a group (its members' weights stacked), as the calibration measured them."""
+    return _column_norms(torch.cat([named[m].weight.detach() for m in key.split(",")]))
 
-    def __init__(self, named: dict[str, nn.Module], norms: dict[str, torch.Tensor]) -> None:
-        self.named, self.norms = named, norms
 
-    @contextmanager
-    def limits(self, limits: dict[str, float]) -> Iterator[None]:
-        """Skip in each group of `limits` (group key -> score threshold) while the context is open."""
-        hooks = []
-        try:
-            for key, limit in limits.items():
-                members = [self.named[member] for member in key.split(",")]
-                hook = _skipping_hook(self.norms[key].to(members[0].weight.device), limit)
-                hooks += [member.register_forward_pre_hook(hook) for member in members]
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
+@contextmanager
+def _skipping(named: dict[str, nn.Module], norms: dict[str, torch.Tensor], limits: dict[str, float]) -> Iterator[None]:
+    """Weight skip's rule applied by hooks to every token of an ordinary forward (each token its own kept channels) in
+    each group of `limits` (group key -> score threshold) while the context is open: what a skip costs, measured in one
+    pass over a text. The calibration's KL curves and `SkipSimulator` use it."""
+    hooks = []
+    try:
+        for key, limit in limits.items():
+            members = [named[member] for member in key.split(",")]
+            hook = _skipping_hook(norms[key].to(members[0].weight.device), limit)
+            hooks += [member.register_forward_pre_hook(hook) for member in members]
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 class SkipSimulator:
@@ -320,20 +318,16 @@ class SkipSimulator:
     ) -> None:
         names = _selected(model, modules, include_lm_head)
         self.calibration = _calibration(model, names, calibration)
-        named = dict(model.named_modules())
-        norms = {
-            key: _column_norms(torch.cat([named[m].weight.detach() for m in key.split(",")]))
-            for key in self.calibration.groups
-        }
-        self._emulation = _Emulation(named, norms)
+        self._named = dict(model.named_modules())
+        self._norms = {key: _group_norms(self._named, key) for key in self.calibration.groups}
 
     def skipping(self, sparsity: float) -> AbstractContextManager[None]:
         """A context in which the model's forwards skip as `enable_weight_skip(model, sparsity=sparsity)` decodes."""
-        return self._emulation.limits(self.calibration.allocate(sparsity))
+        return _skipping(self._named, self._norms, self.calibration.allocate(sparsity))
 
 
 def _kind_costs(
-    model: nn.Module, calibration: SkipCalibration, emulation: _Emulation, tokens: torch.Tensor
+    model: nn.Module, named: dict, calibration: SkipCalibration, norms: dict[str, torch.Tensor], tokens: torch.Tensor
 ) -> dict[str, dict]:
     """Per kind: its share of the selected weights and the KL divergence of the logits from the plain model's when
     that kind alone skips at each of `CURVE_LEVELS`, on the first `CURVE_TOKENS` of `tokens`. Every token of a
@@ -355,7 +349,6 @@ def _kind_costs(
     by_kind: dict[str, list[str]] = {}
     for key in calibration.groups:
         by_kind.setdefault(kind_of(key), []).append(key)
-    named = emulation.named
     size = {key: sum(named[m].weight.numel() for m in key.split(",")) for key in calibration.groups}
     total = sum(size.values())
     kinds = {}
@@ -363,7 +356,7 @@ def _kind_costs(
         kl = []
         for level in CURVE_LEVELS:
             limits = {key: _interpolate(LEVELS, calibration.groups[key]["thresholds"], level) for key in keys}
-            with emulation.limits(limits):
+            with _skipping(named, norms, limits):
                 skipped = logprobs()
             kl.append(float((plain.exp() * (plain - skipped)).sum(-1).mean()))
         kinds[kind] = {"share": sum(size[key] for key in keys) / total, "kl": kl}
