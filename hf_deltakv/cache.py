@@ -22,7 +22,7 @@ from .codecs.channel import ChannelGroupCodec
 from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
-from .formats import FORMATS, Kind, get_format
+from .formats import FORMATS, SEARCHABLE_KINDS, get_format
 from .layers import CompressedLayer, PositionLog, StreamLayer
 from .rope import RopeInverter, find_rotary_embedding
 
@@ -275,7 +275,7 @@ class DeltaKVCache(CompressedKVCache):
         values: a block format name for values (per token) or `"delta"`.
         keys: `"channel"` (default) or `"token"` (see above).
         rotate: Hadamard-rotate values (and token-coded keys) before coding.
-        search_scale: search each q4_0-family block's scale for the least error (values).
+        search_scale: search each block's scale for the least error (values in the q4_0 family or q3_0).
         sink_tokens: first tokens kept raw.
         model: the model; enables pre-RoPE key coding and checks its layer types.
         pre_rope: code keys before RoPE (default: when `model` is given).
@@ -343,7 +343,7 @@ class DeltaKVCache(CompressedKVCache):
         if values == "delta":
             make_values = _codec(DeltaCodec, rotate, **token_options)
         elif isinstance(values, str) and values in FORMATS:
-            search = search_scale and FORMATS[values].kind == Kind.Q4_SYM
+            search = search_scale and FORMATS[values].kind in SEARCHABLE_KINDS
             make_values = _codec(PlainCodec, rotate, fmt=values, search_scale=search)
         else:
             raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)}, got {values!r}")

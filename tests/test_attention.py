@@ -147,6 +147,7 @@ CODECS = {
     "q4_1": lambda: PlainCodec("q4_1"),
     "q8_0-rot": lambda: RotatedCodec(PlainCodec("q8_0")),
     "f16": lambda: PlainCodec("f16"),
+    "q3_0-rot": lambda: RotatedCodec(PlainCodec("q3_0", search_scale=True)),
     "delta": lambda: delta_codec(kf=8, delta_format="q4_0_16"),
     "delta-rot": lambda: RotatedCodec(delta_codec(kf=5, delta_format="q4_0", keyframe_format="q8_0")),
     "delta-no-intra": lambda: delta_codec(kf=6, intra=False, delta_format="q8_0", keyframe_format="f16"),
@@ -171,7 +172,7 @@ def _stream(make, length: int, batch: int, heads: int, dim: int, seed: int):
 
 
 @pytest.mark.parametrize("key", list(CODECS))
-@pytest.mark.parametrize("value", ["q4_0", "delta-rot", "q8_0-rot", "kivi"])
+@pytest.mark.parametrize("value", ["q4_0", "delta-rot", "q8_0-rot", "kivi", "q3_0-rot"])
 @pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "rope-sinks", "rope-compact"])
 def test_stream_attention_kernel_matches_reference(key, value, case):
     """The dispatched op (the compiled CPU kernel where it reads the storage) against `reference.stream_attention`

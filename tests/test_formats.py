@@ -17,8 +17,10 @@ from hf_deltakv.formats import (
     Kind,
     dequantize,
     get_format,
+    pack_3bit,
     pack_4bit,
     quantize,
+    unpack_3bit,
     unpack_4bit,
 )
 
@@ -90,7 +92,7 @@ def test_tiny_blocks_whose_reciprocal_scale_overflows_match_llama_cpp(fmt):
 @settings(max_examples=40, deadline=None)
 @given(
     arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 100)), elements=finite),
-    st.sampled_from(["q4_0", "q4_1", "q8_0", "f16"]),
+    st.sampled_from(["q4_0", "q4_1", "q8_0", "f16", "q3_0"]),
 )
 def test_any_last_dimension_round_trips_within_one_step(x, fmt):
     t = torch.from_numpy(x)
@@ -98,12 +100,12 @@ def test_any_last_dimension_round_trips_within_one_step(x, fmt):
     y = dequantize(q)
     assert y.shape == t.shape
     # Error of one element is at most one quantization step of its block (fp16 rounding of the scale included).
-    step = {"q4_0": 1 / 8, "q4_1": 1 / 15, "q8_0": 1 / 127, "f16": 2**-10}[fmt]
+    step = {"q4_0": 1 / 8, "q4_1": 1 / 15, "q8_0": 1 / 127, "f16": 2**-10, "q3_0": 1 / 4}[fmt]
     span = t.abs().max().item() * (2 if fmt == "q4_1" else 1)
     assert (y - t).abs().max().item() <= step * span * 1.01 + 1e-6
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q3_0"])
 def test_zero_and_constant_blocks(fmt):
     zeros = torch.zeros(2, 32)
     assert torch.equal(dequantize(quantize(zeros, fmt)), zeros)
@@ -114,7 +116,7 @@ def test_zero_and_constant_blocks(fmt):
         assert err == 0.0
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16", "q3_0"])
 def test_non_finite_input_poisons_its_block(fmt):
     x = torch.randn(3, 64)
     x[0, 3], x[1, 40], x[2, 10] = float("nan"), float("inf"), -float("inf")
@@ -127,7 +129,7 @@ def test_non_finite_input_poisons_its_block(fmt):
     assert torch.isfinite(y[0, 32:]).all() and torch.isfinite(y[1, :32]).all()
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16", "q3_0"])
 def test_huge_values_saturate_instead_of_inf(fmt):
     x = torch.zeros(1, 32)
     x[0, 0] = 1e30
@@ -156,3 +158,36 @@ def test_pack_unpack_round_trip(codes):
     packed = pack_4bit(t)
     assert packed.shape[-1] == t.shape[-1] // 2
     assert torch.equal(unpack_4bit(packed), t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(arrays(np.uint8, st.tuples(st.integers(1, 4), st.just(32)), elements=st.integers(0, 7)))
+def test_pack_3bit_round_trip(codes):
+    t = torch.from_numpy(codes)
+    packed = pack_3bit(t)
+    assert packed.shape[-1] == 12 and torch.equal(unpack_3bit(packed), t)
+
+
+def test_q3_0_layout():
+    """The bytes the C++ kernel reads: code 8i + j has its low bits at bits 2i of byte j, its high bit at bit j of
+    byte 8 + i; codes are offset by 4 and the scale is the signed absmax / -4 (q4_0's rule with 3 bits)."""
+    codes = torch.zeros(32, dtype=torch.uint8)
+    codes[9] = 5  # i = 1, j = 1: low bits 01 at bits 2-3 of byte 1, high bit at bit 1 of byte 9
+    assert pack_3bit(codes).tolist() == [0, 4, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
+    x = torch.linspace(-1, 0.5, 32)
+    q = quantize(x, "q3_0")
+    assert q.nbytes() == FORMATS["q3_0"].bytes_per_block == 14 and q.scales.item() == 0.25
+    assert unpack_3bit(q.codes)[0, 0] == 0 and torch.equal(dequantize(q)[0], torch.tensor(-1.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([32, 64])), elements=finite),
+    st.sampled_from(["q4_0", "q4_0_16", "q3_0"]),
+)
+def test_scale_search_never_adds_error(x, fmt):
+    """The searched scale keeps llama.cpp's first candidate unless another decodes the block closer."""
+    t = torch.from_numpy(x)
+    plain = (dequantize(quantize(t, fmt)) - t).double().pow(2).view(t.shape[0], -1, 32 if fmt != "q4_0_16" else 16)
+    searched = (dequantize(quantize(t, fmt, search_scale=True)) - t).double().pow(2).view_as(plain)
+    assert (searched.sum(-1) <= plain.sum(-1) * (1 + 1e-9) + 1e-12).all()

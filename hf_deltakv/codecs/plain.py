@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..formats import Kind, get_format
+from ..formats import SEARCHABLE_KINDS, get_format
 from .base import GrowingRows, StreamCodec
 
 
@@ -14,14 +14,14 @@ class PlainCodec(StreamCodec):
 
     Args:
         fmt: block format name (`q4_0`, `q4_1`, `q8_0`, `f16`).
-        search_scale: search each block's scale for the least error (q4_0 family; `formats.quantize_q4_0`).
+        search_scale: search each block's scale for the least error (q4_0 family and q3_0; `formats.quantize`).
     """
 
     def __init__(self, fmt: str, search_scale: bool = False) -> None:
         super().__init__()
         self.fmt = get_format(fmt).name
-        if search_scale and get_format(fmt).kind != Kind.Q4_SYM:
-            raise ValueError(f"search_scale applies to the q4_0 family, not {fmt!r}")
+        if search_scale and get_format(fmt).kind not in SEARCHABLE_KINDS:
+            raise ValueError(f"search_scale applies to the q4_0 family and q3_0, not {fmt!r}")
         self.search_scale = search_scale
         self.stored = None
         self._rows = GrowingRows()

@@ -7,27 +7,32 @@ from .blocks import (
     nbytes_of,
     quantize,
     quantize_f16,
+    quantize_q3_0,
     quantize_q4_0,
     quantize_q4_1,
     quantize_q8_0,
 )
-from .packing import pack_4bit, unpack_4bit
-from .table import FORMATS, BlockFormat, Kind, get_format
+from .packing import pack_3bit, pack_4bit, unpack_3bit, unpack_4bit
+from .table import FORMATS, SEARCHABLE_KINDS, BlockFormat, Kind, get_format
 
 __all__ = [
     "FORMATS",
     "FP16_MAX",
+    "SEARCHABLE_KINDS",
     "BlockFormat",
     "Kind",
     "QuantizedTensor",
     "dequantize",
     "get_format",
     "nbytes_of",
+    "pack_3bit",
     "pack_4bit",
     "quantize",
     "quantize_f16",
+    "quantize_q3_0",
     "quantize_q4_0",
     "quantize_q4_1",
     "quantize_q8_0",
+    "unpack_3bit",
     "unpack_4bit",
 ]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack_4bit, unpack_4bit
-from .table import BlockFormat, Kind, get_format
+from .packing import pack_3bit, pack_4bit, unpack_3bit, unpack_4bit
+from .table import SEARCHABLE_KINDS, BlockFormat, Kind, get_format
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504: fp16's largest finite value, where scales saturate
 
@@ -115,39 +115,54 @@ def _finalize_scale(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return d.to(torch.float16)
 
 
-# Divisors of the signed absmax tried for a q4_0 block's scale when searching: llama.cpp's 8 first, then smaller
-# ones, which clip the largest value for a finer step over the rest (the same bytes' layout; another encoder).
-SCALE_SEARCH = (8.0, 7.75, 7.5, 7.25, 7.0, 6.5)
+# Divisors of the signed absmax tried for a symmetric block's scale when searching, by code offset (8: q4_0, 4: q3_0):
+# llama.cpp's offset first, then smaller ones, which clip the largest value for a finer step over the rest (the same
+# bytes' layout; another encoder). Measured on SmolLM2's values for q3_0 (docs/codec.md).
+SCALE_SEARCH = {8: (8.0, 7.75, 7.5, 7.25, 7.0, 6.5), 4: (4.0, 3.75, 3.5, 3.25, 3.0)}
 
 
-def _q4_0_codes(blocks: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _symmetric_codes(blocks: torch.Tensor, d: torch.Tensor, offset: int) -> torch.Tensor:
     inv = _safe_reciprocal(d)
-    return _finite_or_zero(torch.trunc(blocks * inv + 8.5)).clamp(0, 15)
+    return _finite_or_zero(torch.trunc(blocks * inv + (offset + 0.5))).clamp(0, 2 * offset - 1)
 
 
-def quantize_q4_0(x: torch.Tensor, fmt_name: str = "q4_0", search_scale: bool = False) -> QuantizedTensor:
-    """Symmetric 4-bit: scale = signed absmax / -8, codes = trunc(x / scale + 8.5) clipped to 0..15.
-
-    With `search_scale`, each block's scale is the one of `SCALE_SEARCH` whose decoded block (with the stored fp16
-    scale) has the smallest squared error, summed in fp64 (the first on ties): the format and the decoder are
-    llama.cpp's, the encoder is not.
-    """
+def _quantize_symmetric(x: torch.Tensor, fmt_name: str, search_scale: bool, offset: int):
+    """Codes (unpacked, float) and fp16 scales of a symmetric format with codes offset by `offset`."""
     _check_float(x)
     fmt = get_format(fmt_name)
     blocks = _to_blocks(x, fmt.block_size)
     imax = blocks.abs().argmax(dim=-1, keepdim=True)
     peak = torch.gather(blocks, -1, imax)
-    d = (peak / -8).clamp(-FP16_MAX, FP16_MAX)
-    q = _q4_0_codes(blocks, d)
-    if search_scale:
-        best = ((q - 8) * d.half().float() - blocks).double().pow(2).sum(-1, keepdim=True)
-        for divisor in SCALE_SEARCH[1:]:
+    divisors = SCALE_SEARCH[offset] if search_scale else SCALE_SEARCH[offset][:1]
+    d = (peak / -divisors[0]).clamp(-FP16_MAX, FP16_MAX)
+    q = _symmetric_codes(blocks, d, offset)
+    if len(divisors) > 1:
+        best = ((q - offset) * d.half().float() - blocks).double().pow(2).sum(-1, keepdim=True)
+        for divisor in divisors[1:]:
             d_try = (peak / -divisor).clamp(-FP16_MAX, FP16_MAX)
-            q_try = _q4_0_codes(blocks, d_try)
-            err = ((q_try - 8) * d_try.half().float() - blocks).double().pow(2).sum(-1, keepdim=True)
+            q_try = _symmetric_codes(blocks, d_try, offset)
+            err = ((q_try - offset) * d_try.half().float() - blocks).double().pow(2).sum(-1, keepdim=True)
             better = err < best
             q, d, best = torch.where(better, q_try, q), torch.where(better, d_try, d), torch.where(better, err, best)
-    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q.to(torch.uint8)), _finalize_scale(d.squeeze(-1), blocks))
+    return fmt, q.to(torch.uint8), _finalize_scale(d.squeeze(-1), blocks)
+
+
+def quantize_q4_0(x: torch.Tensor, fmt_name: str = "q4_0", search_scale: bool = False) -> QuantizedTensor:
+    """Symmetric 4-bit: scale = signed absmax / -8, codes = trunc(x / scale + 8.5) clipped to 0..15.
+
+    With `search_scale`, each block's scale is the one of `SCALE_SEARCH[8]` whose decoded block (with the stored fp16
+    scale) has the smallest squared error, summed in fp64 (the first on ties): the format and the decoder are
+    llama.cpp's, the encoder is not.
+    """
+    fmt, q, scales = _quantize_symmetric(x, fmt_name, search_scale, 8)
+    return QuantizedTensor(fmt, x.shape[-1], pack_4bit(q), scales)
+
+
+def quantize_q3_0(x: torch.Tensor, search_scale: bool = False) -> QuantizedTensor:
+    """Symmetric 3-bit (ours, not llama.cpp's): scale = signed absmax / -4, codes = trunc(x / scale + 4.5) clipped to
+    0..7, packed by `pack_3bit`; `search_scale` as in `quantize_q4_0` (divisors `SCALE_SEARCH[4]`)."""
+    fmt, q, scales = _quantize_symmetric(x, "q3_0", search_scale, 4)
+    return QuantizedTensor(fmt, x.shape[-1], pack_3bit(q), scales)
 
 
 def quantize_q4_1(x: torch.Tensor, fmt_name: str = "q4_1") -> QuantizedTensor:
@@ -196,6 +211,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         return q.codes.to(dtype)
     if name == "q8_0":
         values = q.codes.view(torch.int8).float()
+    elif q.fmt.kind == Kind.Q3_SYM:
+        values = unpack_3bit(q.codes).float() - 4
     else:
         values = unpack_4bit(q.codes).float()
         if q.mins is None:  # symmetric 4-bit formats store codes offset by 8
@@ -213,15 +230,16 @@ QUANTIZERS = {
     "f16": quantize_f16,
     "q4_0_16": lambda x: quantize_q4_0(x, "q4_0_16"),
     "q4_1_16": lambda x: quantize_q4_1(x, "q4_1_16"),
+    "q3_0": quantize_q3_0,
 }
 
 
 def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
-    """Quantize `x` along its last dimension into the named format (`search_scale`: see `quantize_q4_0`; the q4_0
-    family only, where it is a choice of the encoder)."""
+    """Quantize `x` along its last dimension into the named format (`search_scale`: see `quantize_q4_0`; symmetric
+    formats only, `SEARCHABLE_KINDS`, where it is a choice of the encoder)."""
     if search_scale:
-        if get_format(fmt).kind != Kind.Q4_SYM:
-            raise ValueError(f"search_scale applies to the q4_0 family, not {fmt!r}")
-        return quantize_q4_0(x, fmt, search_scale=True)
+        if get_format(fmt).kind not in SEARCHABLE_KINDS:
+            raise ValueError(f"search_scale applies to the q4_0 family and q3_0, not {fmt!r}")
+        return quantize_q3_0(x, True) if fmt == "q3_0" else quantize_q4_0(x, fmt, search_scale=True)
     get_format(fmt)
     return QUANTIZERS[fmt](x)

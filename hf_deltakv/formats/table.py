@@ -17,6 +17,7 @@ class Kind(IntEnum):
     Q4_SYM = 1  # 4-bit codes offset by 8, one fp16 scale (q4_0 family)
     Q4_ASYM = 2  # 4-bit codes, fp16 scale and min (q4_1 family)
     Q8 = 3  # int8 codes, one fp16 scale (q8_0)
+    Q3_SYM = 4  # 3-bit codes offset by 4, one fp16 scale (q3_0)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,13 @@ FORMATS: dict[str, BlockFormat] = {
     # Not in llama.cpp: the same arithmetic over blocks of 16, for a finer scale at +0.5 bit per element.
     "q4_0_16": BlockFormat("q4_0_16", Kind.Q4_SYM, bits=4, block_size=16, scale_bytes=2, bytes_per_block=10),
     "q4_1_16": BlockFormat("q4_1_16", Kind.Q4_ASYM, bits=4, block_size=16, scale_bytes=4, bytes_per_block=12),
+    # Not in llama.cpp: q4_0's arithmetic with 3-bit codes (-4..3 times the scale), for values at 3.5 bits per element.
+    # The 32 codes of a block take 12 bytes: 2 low bits each in bytes 0-7, the high bits in bytes 8-11 (`pack_3bit`).
+    "q3_0": BlockFormat("q3_0", Kind.Q3_SYM, bits=3, block_size=32, scale_bytes=2, bytes_per_block=14),
 }
+
+# Symmetric formats whose encoder may search each block's scale (`formats.quantize`, `search_scale=True`).
+SEARCHABLE_KINDS = (Kind.Q4_SYM, Kind.Q3_SYM)
 
 
 def get_format(name: str) -> BlockFormat:

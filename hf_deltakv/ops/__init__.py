@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..formats import QuantizedTensor, get_format
+from ..formats import Kind, QuantizedTensor, get_format
 from ..formats.bitpack import GROUP
 from . import reference
 from .layout import (
@@ -83,9 +83,12 @@ def _cpu_extension(device: torch.device):
     return extension()
 
 
+ENCODED_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # what cpu/encode.cpp and triton/quantize.py code
+
+
 def _encodes(fmt: str, dim: int) -> bool:
-    """Formats the encode kernels serve (not f16), with blocks tiling `dim` exactly."""
-    return fmt != "f16" and dim % get_format(fmt).block_size == 0
+    """Formats the encode kernels serve (llama.cpp's block arithmetic: not f16, not q3_0), with blocks tiling `dim`."""
+    return get_format(fmt).kind in ENCODED_KINDS and dim % get_format(fmt).block_size == 0
 
 
 def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:

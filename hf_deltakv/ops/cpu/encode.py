@@ -23,7 +23,7 @@ def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> Quanti
 def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -> QuantizedTensor:
     """`formats.quantize(x, fmt, search_scale)` for fp32 `x [..., dim]`."""
     dim = x.shape[-1]
-    divisors = list(SCALE_SEARCH) if search_scale else []
+    divisors = list(SCALE_SEARCH[8]) if search_scale else []
     codes, scales, mins = extension.quantize_rows(
         x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size, divisors
     )

@@ -29,7 +29,13 @@ using hfd::NEG_INF;
 #if !defined(HFD_KIND_F16) || !defined(HFD_STREAM_PLAIN)
 #error "build through hf_deltakv.ops.cpu: the format and stream ids come from hf_deltakv.ops.layout.constants()"
 #endif
-enum Format : int64_t { F16 = HFD_KIND_F16, Q4_SYM = HFD_KIND_Q4_SYM, Q4_ASYM = HFD_KIND_Q4_ASYM, Q8 = HFD_KIND_Q8 };
+enum Format : int64_t {
+  F16 = HFD_KIND_F16,
+  Q4_SYM = HFD_KIND_Q4_SYM,
+  Q4_ASYM = HFD_KIND_Q4_ASYM,
+  Q8 = HFD_KIND_Q8,
+  Q3_SYM = HFD_KIND_Q3_SYM
+};
 constexpr int TILE = 64;  // tokens per tile (and the largest adaptive group)
 
 // BIT_TABLE.v[byte][j]: bit j of `byte` as a float, so that a plane byte decodes 8 tokens with one vector add.
@@ -97,7 +103,7 @@ struct Blocks {
     return t.stride(1) / row;
   }
 
-  int64_t code_bytes() const { return format == Q8 ? block : block / 2; }
+  int64_t code_bytes() const { return format == Q8 ? block : format == Q3_SYM ? block * 3 / 8 : block / 2; }
 
   // Dequantize row `row` into out[dim]; returns the address of its scales (for the delta codec's flags).
   const at::Half* row(int64_t row, float* out) const {
@@ -114,6 +120,7 @@ struct Blocks {
       if (block == 32) return q8<32>(c, s, out);
       return q8<16>(c, s, out);
     }
+    if (format == Q3_SYM) return q3(c, s, out);
     if (block == 32) return q4<32>(c, s, m, out);
     return q4<16>(c, s, m, out);
   }
@@ -125,6 +132,25 @@ struct Blocks {
       const int8_t* q = reinterpret_cast<const int8_t*>(c + b * BS);
 #pragma omp simd
       for (int j = 0; j < BS; ++j) out[b * BS + j] = static_cast<float>(q[j]) * scale;
+    }
+    return s;
+  }
+
+  // q3_0 (blocks of 32, formats/packing.py: pack_3bit): code 8i + j has its low 2 bits at bits 2i of byte j and its
+  // high bit at bit j of byte 8 + i; decoded as (code - 4) * scale.
+  const at::Half* q3(const uint8_t* c, const at::Half* s, float* out) const {
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const float scale = static_cast<float>(s[b]);
+      const uint8_t* cb = c + b * 12;
+      float* o = out + b * 32;
+      for (int i = 0; i < 4; ++i) {
+        const int high = cb[8 + i];
+#pragma omp simd
+        for (int j = 0; j < 8; ++j) {
+          const int code = ((cb[j] >> (2 * i)) & 3) | (((high >> j) & 1) << 2);
+          o[8 * i + j] = static_cast<float>(code - 4) * scale;
+        }
+      }
     }
     return s;
   }

@@ -14,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import QuantizedTensor
+from ...formats import Kind, QuantizedTensor
 from ..hadamard import rotate
 from ..layout import PlainStream
+
+TILE_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # the block arithmetic `_load_tile` decodes
 
 
 @triton.jit
@@ -159,7 +161,7 @@ def supports(keys: PlainStream, values: PlainStream, rope: bool) -> bool:
     """Plain streams of one block format (not f16) tiling a power-of-two head dim, keys after RoPE (the kernel
     applies none; rotated keys are served by rotating the query instead)."""
     fmt, dim = keys.blocks.fmt, keys.dim
-    if fmt.name != values.blocks.fmt.name or fmt.name == "f16" or dim != values.dim:
+    if fmt.name != values.blocks.fmt.name or fmt.kind not in TILE_KINDS or dim != values.dim:
         return False
     return dim % fmt.block_size == 0 and not dim & (dim - 1) and not rope
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..hadamard import rotate, rotation_matrix
 from ..layout import DeltaStream, PlainStream
-from .decode_attention import _load_tile, combine_splits, fold_tile, load_queries, store_partials
+from .decode_attention import TILE_KINDS, _load_tile, combine_splits, fold_tile, load_queries, store_partials
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def supports(keys: DeltaStream, values: PlainStream) -> bool:
     """Delta keys from the previous token (symmetric 4-bit deltas, q8_0 keyframes, kf a power of two >= 16) and plain
     block-quantized values, of one power-of-two head dim that is a multiple of 32."""
     dim, kf = keys.dim, keys.kf
-    if dim % 32 or dim & (dim - 1) or values.dim != dim or values.blocks.fmt.name == "f16":
+    if dim % 32 or dim & (dim - 1) or values.dim != dim or values.blocks.fmt.kind not in TILE_KINDS:
         return False
     if keys.reference != "previous" or kf < 16 or kf & (kf - 1) or keys.keyframes.fmt.name != "q8_0":
         return False
