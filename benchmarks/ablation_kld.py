@@ -25,10 +25,14 @@ VARIANTS = (
     # keys alone (values in fp16): the per-channel key codec's choices against KIVI's per-channel 4 bits
     "delta:values=f16",
     "delta:values=f16,query_weights=false",
+    "delta:values=f16,clip_range=false",
+    "delta:kf=64,key_bits=3,values=f16",  # keys at 3 bits, with and without the clipped ranges
+    "delta:kf=64,key_bits=3,values=f16,clip_range=false",
     "delta:values=f16,keys=token",
     "kivi-pre-rope:v_format=f16",
     # values alone (keys in fp16)
     "q4_0-rot:k_format=f16",
+    "delta:kf=64,values=q3_0,key_bits=8",  # q3_0 values (keys at 8 bits: KL ~1e-5)
 )
 
 

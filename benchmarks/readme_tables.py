@@ -75,22 +75,25 @@ CURRENT = (
     "decode_speed.json",
     "decode_tp.json",
     "sliding_memory.json",
+    "bit_tradeoff.json",
+    "encode_cost.json",
 )
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
 
 
-def summary() -> str:
-    """Where we stand, from quality.json and weight_skip.json: one line per cache, both real models side by side."""
-    quality = _load("quality.json")
-    if not quality:
-        return "(run benchmarks/quality.py)"
-    models = list(quality)
+def side_by_side(name: str, caches: tuple[str, ...] | None = None) -> str:
+    """One line per cache of `name` (a comparison JSON), both real models side by side: bits, Δ perplexity, KL."""
+    table = _load(name)
+    if not table:
+        return f"(run benchmarks/{name.replace('.json', '.py')})"
+    models = list(table)
+    caches = caches or tuple(r["cache"] for r in table[models[0]]["rows"] if r["kl_divergence"] is not None)
     head = "| cache | " + " | ".join(f"{m}: bits, Δ perplexity, KL" for m in models) + " |"
     lines = [head, "|---|" + "---:|" * len(models)]
-    for cache in SUMMARY_CACHES:
+    for cache in caches:
         cells = []
         for m in models:
-            row = next((r for r in quality[m]["rows"] if r["cache"] == cache), None)
+            row = next((r for r in table[m]["rows"] if r["cache"] == cache), None)
             cells.append(
                 "–"
                 if row is None
@@ -98,6 +101,11 @@ def summary() -> str:
             )
         lines.append(f"| `{cache}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def summary() -> str:
+    """Where we stand (quality.json), then DeltaKVCache below its default bits (bit_tradeoff.json)."""
+    return side_by_side("quality.json", SUMMARY_CACHES) + "\n\n" + side_by_side("bit_tradeoff.json")
 
 
 def results() -> None:
@@ -115,15 +123,27 @@ def results() -> None:
         "per-channel key codec landed (commit 3193d4f): their `delta` rows show the earlier per-token key codec "
         "(now `delta:keys=token`). Rerun their scripts to refresh them.\n"
     )
-    quality = _load("quality.json")
-    if quality:
-        for result in quality.values():
+    for name, title in (
+        ("quality.json", "Quality"),
+        ("bit_tradeoff.json", "Below the default bits"),
+    ):  # fmt: skip
+        for result in (_load(name) or {}).values():
             cfg = result["config"]
             print(
-                f"\n## Quality: {cfg['model']}, {Path(cfg['text']).name}, {cfg['windows']} windows of "
-                f"{cfg['ctx'][0]} tokens (`quality.json`)\n"
+                f"\n## {title}: {cfg['model']}, {Path(cfg['text']).name}, {cfg['windows']} windows of "
+                f"{cfg['ctx'][0]} tokens (`{name}`)\n"
             )
             print(markdown_table(result))
+    cost = _load("encode_cost.json")
+    if cost:
+        cfg = cost["config"]
+        print(
+            f"\n## The clipped key ranges' cost: {cfg['model']}, {cfg['dtype']}, {cfg['ctx']}-token prompt, "
+            f"{cfg['new']} decoded tokens, median of {cfg['rounds']} rounds (`encode_cost.json`)\n"
+        )
+        print("| clip_range | prefill tok/s | decode tok/s |\n|---|---:|---:|")
+        for row in cost["rows"]:
+            print(f"| {row['clip_range']} | {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.2f} |")
     sliding = _load("sliding_memory.json")
     if sliding:
         print("\n## Sliding-window layers: Gemma-3-270M, bytes held (`sliding_memory.json`)\n")

@@ -270,9 +270,9 @@ class DeltaKVCache(CompressedKVCache):
     Source idea: the Delta-KV llama.cpp fork; closed-loop prediction and bit allocation as in video codecs.
 
     Args:
-        kf: tokens per group (16, 32 or 64; for `keys="token"`, the keyframe interval, 1-4096).
+        kf: tokens per group (8, 16, 32 or 64; for `keys="token"`, the keyframe interval, 1-4096).
         key_bits: mean bits per key element (`key_bits * head_dim` a whole number).
-        values: a block format name for values (per token) or `"delta"`.
+        values: a block format name for values (per token: `q4_0`, or `q3_0` below 4 bits) or `"delta"`.
         keys: `"channel"` (default) or `"token"` (see above).
         rotate: Hadamard-rotate values (and token-coded keys) before coding.
         search_scale: search each block's scale for the least error (values in the q4_0 family or q3_0).
@@ -281,6 +281,8 @@ class DeltaKVCache(CompressedKVCache):
         pre_rope: code keys before RoPE (default: when `model` is given).
         query_weights: place the key bits by the queries' channel weights as well as the ranges (off: ranges
             alone; an ablation switch).
+        clip_range: code each key channel of a group over the clipped range that reconstructs it best (off: from its
+            minimum to its maximum; an ablation switch).
 
     >>> cache = DeltaKVCache(kf=32)
     >>> cache.kf
@@ -299,6 +301,7 @@ class DeltaKVCache(CompressedKVCache):
         model: nn.Module | None = None,
         pre_rope: bool | None = None,
         query_weights: bool = True,
+        clip_range: bool = True,
         delta_format: str | None = None,
         keyframe_format: str | None = None,
         reference: str | None = None,
@@ -312,7 +315,7 @@ class DeltaKVCache(CompressedKVCache):
         if keys == "channel" and (isinstance(key_bits, bool) or not isinstance(key_bits, (int, float))
                                   or not 1 <= key_bits <= 8):  # fmt: skip
             raise ValueError(f"key_bits must be a number in [1, 8], got {key_bits!r}")
-        for name in ("rotate", "search_scale", "query_weights"):
+        for name in ("rotate", "search_scale", "query_weights", "clip_range"):
             _check_flag(name, locals()[name])
         token_options = {
             "delta_format": delta_format,
@@ -324,8 +327,8 @@ class DeltaKVCache(CompressedKVCache):
         given = sorted(name for name, value in token_options.items() if value is not None)
         if keys == "channel" and (given or values == "delta"):
             raise ValueError(f"{given or 'values=delta'} apply to keys='token' only")
-        if keys == "token" and not query_weights:
-            raise ValueError("query_weights applies to keys='channel' only")
+        if keys == "token" and not (query_weights and clip_range):
+            raise ValueError("query_weights and clip_range apply to keys='channel' only")
         defaults = TOKEN_DELTA_DEFAULTS
         token_options = {"kf": kf, **{k: defaults[k] if v is None else v for k, v in token_options.items()}}
         if keys == "channel":
@@ -335,6 +338,7 @@ class DeltaKVCache(CompressedKVCache):
                 bits=key_bits,
                 offset=_check_sinks(sink_tokens),
                 query_weights=query_weights,
+                clip_range=clip_range,
             )
             make_keys()  # validate now, not at the first forward
         else:
@@ -350,6 +354,7 @@ class DeltaKVCache(CompressedKVCache):
         self.kf = kf
         self.options = {"kf": kf, "key_bits": key_bits, "values": values, "keys": keys, "rotate": rotate,
                         "search_scale": search_scale, "sink_tokens": sink_tokens, "query_weights": query_weights,
+                        "clip_range": clip_range,
                         **token_options}  # fmt: skip
         super().__init__(make_keys, make_values, sink_tokens, model, pre_rope)
 

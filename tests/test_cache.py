@@ -58,6 +58,11 @@ def test_bits_per_element_is_measured():
     assert cache.bits_per_element() == pytest.approx((4 + 36 / 32 + 4.5) / 2, rel=1e-6)
     assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
     assert cache.layers[0].bits_per_element() == pytest.approx(cache.bits_per_element())
+    # The ~3.5-bit point: 2.75-bit keys over groups of 64 tokens, q3_0 values (3 bits + an fp16 scale per 32)
+    low = DeltaKVCache(kf=64, key_bits=2.75, values="q3_0", sink_tokens=0)
+    low.update(*kv(1024, batch=1), 0)
+    low.layers[0].reconstruct()
+    assert low.bits_per_element() == pytest.approx((2.75 + 36 / 64 + 3.5) / 2, rel=1e-6)
 
 
 def test_sink_tokens_are_stored_raw_and_counted():
@@ -129,6 +134,9 @@ def test_reset_empties_the_cache():
         (dict(pre_rope=True), "model"),
         (dict(model="llama"), "nn.Module"),
         (dict(rotate="yes"), "rotate"),
+        (dict(clip_range=1), "clip_range"),
+        (dict(keys="token", clip_range=False), "keys='channel' only"),
+        (dict(values="q3_1"), "values"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -294,3 +294,57 @@ def test_pair_energy_is_the_same_before_and_after_rope():
 def test_adaptive_refuses_bad_options(bad):
     with pytest.raises(ValueError):
         _adaptive(**bad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([2.0, 3.0, 4.0]), seed=st.integers(0, 999), spikes=st.integers(0, 6))
+def test_clipped_ranges_never_code_a_channel_worse_than_its_whole_range(bits, seed, spikes):
+    """Each channel of a group keeps the candidate range with the least squared error; the whole range is a candidate,
+    and the depths do not depend on the choice."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, 64, 16, generator=g)
+    x[0, :, torch.randint(0, 64, (spikes,), generator=g), :4] *= 12  # a few tokens far out in some channels
+    x = x.half().float()  # what the codec holds until a group is coded, and measures its error against
+    coded = {}
+    for clip in (True, False):
+        codec = AdaptiveChannelCodec(group=32, bits=bits, offset=0, clip_range=clip)
+        codec.append(x)
+        codec.flush()
+        coded[clip] = codec
+    assert torch.equal(coded[True].depths, coded[False].depths)
+    sse = {clip: (c.decode() - x).double().pow(2).view(1, 2, 2, 32, 16).sum(3) for clip, c in coded.items()}
+    assert (sse[True] <= sse[False] * (1 + 1e-5) + 1e-9).all()
+    if spikes:
+        assert sse[True].sum() < sse[False].sum()
+
+
+def test_clipped_ranges_are_coded_in_chunks_that_give_the_same_bytes(monkeypatch):
+    import hf_deltakv.codecs.adaptive as adaptive
+
+    x = smooth_stream(256)
+    whole = _adaptive()
+    whole.append(x)
+    whole.flush()
+    monkeypatch.setattr(adaptive, "CLIP_ELEMENTS", 1)  # one group per pass
+    chunked = _adaptive()
+    chunked.append(x)
+    chunked.flush()
+    for name in ("planes", "depths", "low", "step"):
+        assert torch.equal(getattr(whole, name).view(torch.uint8), getattr(chunked, name).view(torch.uint8)), name
+
+
+def test_keys_that_require_grad_are_coded():
+    """A forward outside `torch.no_grad()` hands the cache keys that require grad: coding them must not trip autograd
+    (the clipped-range search works in place)."""
+    x = smooth_stream(64).requires_grad_()
+    codec = _adaptive()
+    codec.append(x * 1.0)
+    codec.flush()
+    torch.testing.assert_close(codec.decode(), _coded_without_grad(x.detach()))
+
+
+def _coded_without_grad(x: torch.Tensor) -> torch.Tensor:
+    codec = _adaptive()
+    codec.append(x)
+    codec.flush()
+    return codec.decode()

@@ -2,19 +2,21 @@
 
 Keys (before RoPE especially) have channels of very different ranges, and queries weigh channels very differently.
 A group of `group` tokens (aligned to absolute positions, like a video codec's group of pictures) stores, per
-channel, its range (`low`, fp16) and a step (fp16), and every token's code in that channel at the channel's own bit
-depth (1-8 bits, `formats.bitplanes`). The depths of a group spend a fixed budget of `bits * dim` bits per token
-where they reduce the attention-score error most: channel `c` gets about `bits + log2(range_c * sqrt(w_c)) - mean`
-bits (reverse water-filling), `w_c` being the mean squared query of that channel, paired as RoPE pairs channels,
-over the positions before the group (causal: observed by the cache layer when attention reads it, `observe`). Before
-any query is seen (the first group, or attention that never goes through the layer), all channels weigh the same.
+channel, a range (`low`, fp16, and a step, fp16: the clipped range that codes the channel's tokens best, `CLIPS`),
+and every token's code in that channel at the channel's own bit depth (1-8 bits, `formats.bitplanes`). The depths
+of a group spend a fixed budget of `bits * dim` bits per token where they reduce the attention-score error most:
+channel `c` gets about `bits + log2(range_c * sqrt(w_c)) - mean` bits (reverse water-filling), `w_c` being the mean
+squared query of that channel, paired as RoPE pairs channels, over the positions before the group (causal: observed
+by the cache layer when attention reads it, `observe`). Before any query is seen (the first group, or attention that
+never goes through the layer), all channels weigh the same.
 
 Tokens of an unfinished group, and complete groups not yet flushed, are held raw (fp16, counted in the bytes): a
 group is coded when it is complete and the queries before it have been observed (`flush`, at the next read).
 
-Measured on both real models (benchmarks/ablation_kld.py): query-weighted depths cut the keys' KL divergence ~2.5-3x
-against the same bits spread evenly (KIVI's per-channel 4-bit); per-channel prediction from the previous token
-(closed-loop DPCM, chosen per channel and group) did not pay and is not used here.
+Measured on both real models (benchmarks/ablation_kld.py, keys alone): KL divergence 0.0019 (SmolLM2) / 0.0091
+(Gemma 3) against 0.0075 / 0.0123 for KIVI's per-channel 4 bits; the query weights pay on SmolLM2 (0.0033 without)
+but not on Gemma 3 (0.0084 without). Per-channel prediction from the previous token (closed-loop DPCM, chosen per
+channel and group) did not pay and is not used here.
 """
 
 from __future__ import annotations
@@ -68,27 +70,36 @@ def allocate_bits(score: torch.Tensor, total: int) -> torch.Tensor:
 # Fractions of a channel's range given up at its low and high ends, tried in every pair: each channel of a group keeps
 # the clipped range that codes its tokens with the least squared error (the encoder's choice; the decoder reads low and
 # step as before). Extremes of a few tokens otherwise stretch the step of all: at 3 bits per key (kf=64) the clipping
-# cuts the keys' KL divergence by a third on SmolLM2 (docs/codec.md).
+# cuts the keys' KL divergence by a quarter on SmolLM2 and by 40 % on Gemma 3 (validation text; docs/codec.md).
 CLIPS = torch.tensor([(a, b) for a in (0, 0.03, 0.06, 0.1, 0.15, 0.2) for b in (0, 0.03, 0.06, 0.1, 0.15, 0.2)])
-CLIP_ELEMENTS = 1 << 18  # candidate codes per pass of the encoder: groups are coded in chunks that stay in cache
+CLIP_ELEMENTS = 1 << 20  # candidate codes per pass of the encoder: groups are coded in chunks of ~4 MB
 
 
-def clipped_codes(x: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels: torch.Tensor):
+@torch.no_grad()  # codes carry no gradient, and the search works in place (even when a forward records autograd)
+def clipped_codes(x: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels: torch.Tensor, clips: torch.Tensor):
     """Codes `uint8 [..., group, D]`, low and step (fp16 `[..., D]`) of groups `x` `[..., group, D]` at `levels + 1`
-    levels per channel, each channel over the candidate range of `CLIPS` that reconstructs it best."""
-    clips = CLIPS.to(x.device)
+    levels per channel, each channel over the candidate range of `clips` (rows of `CLIPS`) that reconstructs it best.
+
+    The candidates' errors are computed in place in one `[..., group, D, candidates]` buffer (the search is bound by
+    memory traffic); the chosen candidate's codes are then computed again, by the same arithmetic."""
+    clips = clips.to(x.device)
     lows = (low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     highs = low.unsqueeze(-1) + span.unsqueeze(-1) * (1 - clips[:, 1])
     steps = ((highs - lows.float()) / levels.unsqueeze(-1)).clamp(0, FP16_MAX).to(torch.float16)  # [..., D, C]
     step_f, low_f = steps.float().unsqueeze(-3), lows.float().unsqueeze(-3)  # [..., 1, D, C]
-    inverse = torch.where(step_f > 0, 1.0 / step_f, torch.zeros_like(step_f))
-    codes = ((x.unsqueeze(-1) - low_f) * inverse).round().nan_to_num(0.0)
-    codes = torch.minimum(codes.clamp_min(0), levels.unsqueeze(-2).unsqueeze(-1))
-    error = (codes * step_f + low_f - x.unsqueeze(-1)).pow(2).sum(-3).nan_to_num(float("inf"))  # [..., D, C]
-    best = error.argmin(-1, keepdim=True)  # ties (and all-NaN channels) keep the first: the full range
-    pick = best.unsqueeze(-3).expand(*codes.shape[:-1], 1)
-    codes = codes.gather(-1, pick).squeeze(-1).to(torch.uint8)
-    return codes, lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
+    error = _codes(x.unsqueeze(-1), low_f, step_f, levels.unsqueeze(-2).unsqueeze(-1))
+    error.mul_(step_f).add_(low_f).sub_(x.unsqueeze(-1)).square_()
+    best = error.sum(-3).nan_to_num_(float("inf")).argmin(-1, keepdim=True)  # ties (and NaN) keep the whole range
+    low, step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
+    codes = _codes(x, low.float().unsqueeze(-2), step.float().unsqueeze(-2), levels.unsqueeze(-2))
+    return codes.to(torch.uint8), low, step
+
+
+def _codes(x: torch.Tensor, low: torch.Tensor, step: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Float codes of `x` on the grid `low + k * step`, k in 0..top (a new tensor, then modified in place)."""
+    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    codes = (x - low).mul_(inverse).round_().nan_to_num_(0.0).clamp_min_(0)
+    return torch.minimum(codes, top, out=codes)
 
 
 def pair_energy(query: torch.Tensor) -> torch.Tensor:
@@ -104,18 +115,22 @@ class AdaptiveChannelCodec(StreamCodec):
     """Groups of tokens coded per channel at query-weighted bit depths.
 
     Args:
-        group: tokens per group (16, 32 or 64), aligned to absolute positions.
+        group: tokens per group (8, 16, 32 or 64), aligned to absolute positions.
         bits: mean bits per code (a budget of `bits * dim` per token, `bits * dim` an integer).
         offset: absolute position of the stream's first token (the cache layer's raw sink tokens come before it).
+        query_weights: weigh the channels by the queries observed (off: by their ranges alone; for the ablation).
+        clip_range: code each channel over the clipped range of `CLIPS` with the least error (off: its whole range).
     """
 
-    def __init__(self, *, group: int, bits: float, offset: int, query_weights: bool = True) -> None:
+    def __init__(
+        self, *, group: int, bits: float, offset: int, query_weights: bool = True, clip_range: bool = True
+    ) -> None:
         super().__init__()
         if group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
         if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 1 <= bits <= MAX_BITS:
             raise ValueError(f"bits must be a number in [1, {MAX_BITS}], got {bits!r}")
-        self.group, self.bits, self.query_weights = group, float(bits), query_weights
+        self.group, self.bits, self.query_weights, self.clip_range = group, float(bits), query_weights, clip_range
         # The stream's first token sits in absolute group `first_group`, at slot `pad` of it.
         self.first_group, self.pad = divmod(offset, group)
         self.planes = self.depths = self.low = self.step = None  # coded groups
@@ -215,9 +230,10 @@ class AdaptiveChannelCodec(StreamCodec):
         score = span.pow(2) if weights is None else span.pow(2) * weights
         depths = allocate_bits(score, self._budget(x.shape[-1]))
         levels = ((1 << depths.long()) - 1).float()
-        chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(CLIPS), 1))  # groups per pass
+        clips = CLIPS if self.clip_range else CLIPS[:1]  # the first candidate is the whole range
+        chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(clips), 1))  # groups per pass
         parts = [
-            clipped_codes(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)))
+            clipped_codes(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips)
             for g in range(0, x.shape[2], chunk)
         ]
         codes, low, step = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
