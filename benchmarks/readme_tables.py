@@ -103,6 +103,14 @@ def side_by_side(name: str, caches: tuple[str, ...] | None = None) -> str:
     return "\n".join(lines)
 
 
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A `## title` section with a Markdown table (the first column left-aligned, the others right-aligned)."""
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(columns) + " |\n|---|" + "---:|" * (len(columns) - 1))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def summary() -> str:
     """Where we stand (quality.json), then DeltaKVCache below its default bits (bit_tradeoff.json)."""
     return side_by_side("quality.json", SUMMARY_CACHES) + "\n\n" + side_by_side("bit_tradeoff.json")
@@ -137,13 +145,12 @@ def results() -> None:
     cost = _load("encode_cost.json")
     if cost:
         cfg = cost["config"]
-        print(
-            f"\n## The clipped key ranges' cost: {cfg['model']}, {cfg['dtype']}, {cfg['ctx']}-token prompt, "
-            f"{cfg['new']} decoded tokens, median of {cfg['rounds']} rounds (`encode_cost.json`)\n"
+        _table(
+            f"The clipped key ranges' cost: {cfg['model']}, {cfg['dtype']}, {cfg['ctx']}-token prompt, {cfg['new']} "
+            f"decoded tokens, median of {cfg['rounds']} rounds (`encode_cost.json`)",
+            ["clip_range", "prefill tok/s", "decode tok/s"],
+            [[str(r["clip_range"]), f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}"] for r in cost["rows"]],
         )
-        print("| clip_range | prefill tok/s | decode tok/s |\n|---|---:|---:|")
-        for row in cost["rows"]:
-            print(f"| {row['clip_range']} | {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.2f} |")
     sliding = _load("sliding_memory.json")
     if sliding:
         print("\n## Sliding-window layers: Gemma-3-270M, bytes held (`sliding_memory.json`)\n")
@@ -224,16 +231,15 @@ def legacy() -> None:
     tradeoff = _load("residual_tradeoff.json")
     if tradeoff:
         cfg = tradeoff["config"]
-        print(
-            f"\n## Residual cache trade-off: {cfg['text']}, {cfg['windows']} windows of {cfg['ctx']} tokens, "
-            f"fitted compressors (`residual_tradeoff.json`)\n"
+        _table(
+            f"Residual cache trade-off: {cfg['text']}, {cfg['windows']} windows of {cfg['ctx']} tokens, "
+            "fitted compressors (`residual_tradeoff.json`)",
+            ["variant", "bits/element", "perplexity", "Δ", "KL"],
+            [
+                [r["name"], f"{r['bits']:.2f}", f"{r['perplexity']:.3f}", f"{r['delta_pct']:+.2f} %", f"{r['kl']:.4f}"]
+                for r in tradeoff["rows"]
+            ],
         )
-        print("| variant | bits/element | perplexity | Δ | KL |\n|---|---:|---:|---:|---:|")
-        for row in tradeoff["rows"]:
-            print(
-                f"| {row['name']} | {row['bits']:.2f} | {row['perplexity']:.3f} | {row['delta_pct']:+.2f} % | "
-                f"{row['kl']:.4f} |"
-            )
     skip = _load("weight_skip.json")
     if skip:
         from weight_skip import allocation
