@@ -188,6 +188,6 @@ def test_q3_0_layout():
 def test_scale_search_never_adds_error(x, fmt):
     """The searched scale keeps llama.cpp's first candidate unless another decodes the block closer."""
     t = torch.from_numpy(x)
-    plain = (dequantize(quantize(t, fmt)) - t).double().pow(2).view(t.shape[0], -1, 32 if fmt != "q4_0_16" else 16)
+    plain = (dequantize(quantize(t, fmt)) - t).double().pow(2).view(t.shape[0], -1, get_format(fmt).block_size)
     searched = (dequantize(quantize(t, fmt, search_scale=True)) - t).double().pow(2).view_as(plain)
     assert (searched.sum(-1) <= plain.sum(-1) * (1 + 1e-9) + 1e-12).all()
