@@ -64,7 +64,7 @@ def measure_one(spec: str, ctx: int, new: int, text: str, dtype: str) -> dict:
     libc.malloc_trim(0)
     baseline = _rss_kib("VmRSS")  # model weights and the Python runtime
     cache = build_cache(spec, model)
-    from hf_deltakv.ops.cpu import extension
+    from hf_deltakv.kernels.cpu import extension
 
     extension()  # build the CPU kernels (cached on disk after the first run) outside the timings
     start = time.perf_counter()

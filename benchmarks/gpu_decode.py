@@ -4,7 +4,7 @@ For each context length: one decode step's attention (SmolLM2-like shapes scaled
 head_dim 128, batch 1 by default), latency by CUDA events (median of `--iters`), bytes of the cache read, and each
 kernel's maximum error against its PyTorch reference. Two kernels: q4_0 keys and values (QuantizedKVCache), and
 the token-delta layout of `DeltaKVCache(keys="token")` (rotated pre-RoPE delta keys with RoPE re-applied in the
-kernel, rotated q4_0 values), through the same dispatch the model uses (`ops.stream_attention`). The default
+kernel, rotated q4_0 values), through the same dispatch the model uses (`kernels.stream_attention`). The default
 per-channel key layout has no Triton kernel yet (it takes the chunked reference on GPUs). Then, with `--e2e`,
 end-to-end decode tokens/s of the embedded model (16 greedy steps after the prompt) with DynamicCache against
 DeltaKVCache (default) and DeltaKVCache(keys="token"). Written to benchmarks/results/gpu_decode.json.
@@ -85,7 +85,7 @@ def run(context: int, args: argparse.Namespace) -> dict:
 def _case(q, k, v, scale, args, token_delta: bool) -> dict:
     """`k`, `v` stored as `--format` per token (QuantizedKVCache), or as DeltaKVCache(keys="token") stores them
     (pre-RoPE delta keys, RoPE redone in the kernel), and the fused attention through the model's dispatch."""
-    from hf_deltakv import ops
+    from hf_deltakv import kernels
     from hf_deltakv.cache import TOKEN_DELTA_DEFAULTS
     from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
 
@@ -109,9 +109,9 @@ def _case(q, k, v, scale, args, token_delta: bool) -> dict:
     call = (query, empty, empty, keys.layout(), values.layout(), cos, sin, None, 1, context - 1, scale)
 
     def fused():
-        return ops.stream_attention(*call)
+        return kernels.stream_attention(*call)
 
-    error = (fused() - ops.reference.stream_attention(*call)).abs().max().item()
+    error = (fused() - kernels.reference.stream_attention(*call)).abs().max().item()
     return {"fused": fused, "error": error, "mib": (keys.nbytes() + values.nbytes()) / 2**20}
 
 

@@ -22,8 +22,8 @@ from .codecs.channel import ChannelGroupCodec
 from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
-from .formats import FORMATS, SEARCHABLE_KINDS, get_format
 from .layers import CompressedLayer, PositionLog, StreamLayer
+from .quant import FORMATS, SEARCHABLE_KINDS, get_format
 from .rope import RopeInverter, find_rotary_embedding
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

@@ -28,7 +28,7 @@ Decoding one token reads every weight once, and the weights are most of what a d
 
 Where the weights are not read: while enabled, each group's weights are stored input-major in one tensor `[in, out]`
 (the parameters become views of it, so every other use of them is unchanged and no memory is added), and a
-decode-shaped input (one new token per sequence, no gradients) goes to `ops.sparse_matvec`: one pass that lists the
+decode-shaped input (one new token per sequence, no gradients) goes to `kernels.sparse_matvec`: one pass that lists the
 kept channels and streams only their rows (C++ on the CPU, Triton on GPUs). Other inputs take the layer's normal
 path. Changes to the weights while enabled (`model.to(...)`, `load_state_dict`, replacing `.data`, in-place writes
 under `no_grad`) are followed; in-place writes through `.data` are invisible to PyTorch (no version bump): re-enable;
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from . import kernels
 
 __all__ = [
     "SkipCalibration",
@@ -496,7 +496,7 @@ class _SkippingGroup:
                 derived = _column_norms(wt.t()).contiguous()
             elif self.mode == "bounded":
                 derived = block_max(wt.t().detach(), self.block_size).amax(0).float()
-            kernel = ops.sparse_matvec_kernel(wt.device) or ops.reference.sparse_matvec
+            kernel = kernels.sparse_matvec_kernel(wt.device) or kernels.reference.sparse_matvec
             self._prepared_value = (wt, self._bias(), derived, kernel)
             self._prepared_key = self._version_key()
         return self._prepared_value

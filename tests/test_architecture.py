@@ -10,10 +10,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_deltakv"
 
 # Rank of every top-level unit: a unit may import only units of a lower rank.
 RANKS = {
-    "formats": 0,  # block formats as data, packing, reference quantizers, byte counting
+    "quant": 0,  # block formats as data, packing, reference quantizers, byte counting
     "rope": 0,  # undo/redo a model's RoPE
     "attention": 0,  # the glue between transformers' attention and a cache layer (duck-typed)
-    "ops": 1,  # references + C++ + Triton kernels over stream layouts; one dispatch point
+    "kernels": 1,  # references + C++ + Triton kernels over stream layouts; one dispatch point
     "codecs": 2,  # how one stream is encoded into packed storage
     "layers": 3,  # transformers cache layers over codecs
     "cache": 4,  # the Cache classes users construct

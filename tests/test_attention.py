@@ -1,5 +1,5 @@
 """Attention read straight from the compressed cache: `StoredKV` (what `update` returns) serving SDPA from the
-packed storage by default, the chunked reference and the compiled CPU kernel (`ops.stream_attention`), on tiny
+packed storage by default, the chunked reference and the compiled CPU kernel (`kernels.stream_attention`), on tiny
 random models."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, ops
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, kernels
 from hf_deltakv.attention import StoredKV
 from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
 from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec
+from hf_deltakv.kernels.cpu import extension
+from hf_deltakv.kernels.cpu.stream_attention import supports
+from hf_deltakv.kernels.online_softmax import OnlineSoftmax
 from hf_deltakv.layers import StreamLayer
-from hf_deltakv.ops.cpu import extension
-from hf_deltakv.ops.cpu.stream_attention import supports
-from hf_deltakv.ops.online_softmax import OnlineSoftmax
 
 from .conftest import ARCHS, delta_codec, tiny_compressor, tiny_model
 
@@ -194,7 +194,9 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
         mask = torch.rand(batch, n, sinks + length, generator=g) > 0.3
         mask[1, :, :] = False  # a fully masked row: no key at all
     args = (query, sink_keys, sink_values, keys.layout(), values.layout(), cos, sin, mask, n, sinks + length - n, 0.125)
-    torch.testing.assert_close(ops.stream_attention(*args), ops.reference.stream_attention(*args), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(
+        kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
+    )
 
 
 def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
@@ -219,11 +221,11 @@ def test_forced_reference_never_calls_the_kernel(monkeypatch):
     def fail():
         raise AssertionError("kernel used")
 
-    monkeypatch.setattr("hf_deltakv.ops.cpu.extension", fail)
+    monkeypatch.setattr("hf_deltakv.kernels.cpu.extension", fail)
     keys, values = _stream(CODECS["q4_0"], 20, 1, 1, 64, 0), _stream(CODECS["q4_0"], 20, 1, 1, 64, 1)
     sinks = torch.zeros(1, 1, 0, 64)
     query = torch.randn(1, 1, 2, 64)
-    ops.stream_attention(query, sinks, sinks, keys.layout(), values.layout(), None, None, None, 1, 19, 0.125)
+    kernels.stream_attention(query, sinks, sinks, keys.layout(), values.layout(), None, None, None, 1, 19, 0.125)
 
 
 @pytest.mark.parametrize("name", ["delta", "delta-rot", "kivi", "q4_1"])

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from hf_deltakv import ops
-from hf_deltakv.ops import cpu
+from hf_deltakv import kernels
+from hf_deltakv.kernels import cpu
 
 
 def test_a_lock_held_elsewhere_is_waited_for_a_bounded_time_and_freed_when_its_holder_dies(tmp_path):
@@ -69,7 +69,7 @@ def test_a_prebuilt_kernel_loads_from_a_folder_it_cannot_write(tmp_path):
     blocker.write_text("")  # HF_DELTAKV_CACHE under a file: nothing can be created there
     env = {**os.environ, "HF_DELTAKV_KERNEL_DIR": str(prebuilt.parent), "HF_DELTAKV_CACHE": str(blocker / "x")}
     os.chmod(prebuilt, 0o555)
-    code = "from hf_deltakv.ops.cpu import extension; assert extension() is not None; print('loaded')"
+    code = "from hf_deltakv.kernels.cpu import extension; assert extension() is not None; print('loaded')"
     done = subprocess.run(
         [sys.executable, "-W", "error::RuntimeWarning", "-c", code], env=env, capture_output=True, text=True
     )
@@ -81,11 +81,11 @@ def test_a_prebuilt_kernel_loads_from_a_folder_it_cannot_write(tmp_path):
 def test_kernel_switch_is_checked(monkeypatch):
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "garbage")
     with pytest.raises(ValueError, match="HF_DELTAKV_KERNELS must be one of"):
-        ops.forced_reference()
+        kernels.forced_reference()
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "Reference")
-    assert ops.forced_reference()
+    assert kernels.forced_reference()
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "auto")
-    assert not ops.forced_reference()
+    assert not kernels.forced_reference()
 
 
 def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):
@@ -102,7 +102,7 @@ def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):
 
     names = zipfile.ZipFile(wheel).namelist()
     for source in (*cpu.SOURCES, *cpu.HEADERS):
-        assert f"hf_deltakv/ops/cpu/{source.name}" in names
+        assert f"hf_deltakv/kernels/cpu/{source.name}" in names
     assert "hf_deltakv/residual/checkpoints/smollm2-135m/compressor.safetensors" in names
     target = tmp_path / "site"
     installed = subprocess.run(
@@ -113,11 +113,11 @@ def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):
     smoke = """
 import torch, hf_deltakv
 from transformers import AutoModelForCausalLM, LlamaConfig
-from hf_deltakv import DeltaKVCache, ops
+from hf_deltakv import DeltaKVCache, kernels
 assert hf_deltakv.__file__.startswith(TARGET), hf_deltakv.__file__
 def refuse(*args, **kwargs):
     raise AssertionError("the reference served a decode step")
-ops.reference.stream_attention = refuse
+kernels.reference.stream_attention = refuse
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
-from hf_deltakv.formats import QuantizedTensor
-from hf_deltakv.ops.hadamard import rotate
-from hf_deltakv.ops.layout import SNAPSHOTS
+from hf_deltakv.kernels.hadamard import rotate
+from hf_deltakv.kernels.layout import SNAPSHOTS
+from hf_deltakv.quant import QuantizedTensor
 
 from .conftest import delta_codec
 
@@ -155,7 +155,7 @@ def test_bad_reference_and_format():
 
 
 def test_segmented_prefix_sum_reference():
-    from hf_deltakv.ops.reference import segmented_prefix_sum
+    from hf_deltakv.kernels.reference import segmented_prefix_sum
 
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
     resets = torch.tensor([[False, False, True, False, True]])
@@ -168,7 +168,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec, allocate_bits, pair_energy  # noqa: E402
-from hf_deltakv.formats.bitplanes import pack_planes, unpack_planes  # noqa: E402
+from hf_deltakv.quant.bitplanes import pack_planes, unpack_planes  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
@@ -252,7 +252,7 @@ def test_adaptive_places_bits_where_queries_look():
     codec.append(x)
     codec.observe(energy, 0)
     codec.flush()
-    from hf_deltakv.formats import unpack_4bit
+    from hf_deltakv.quant import unpack_4bit
 
     second = unpack_4bit(codec.depths[0, 0, 1])  # the second group saw the queries
     assert second[3] == second[11] == 8 and second.sum() == 64

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_deltakv.formats import (
+from hf_deltakv.quant import (
     FORMATS,
     BlockFormat,
     Kind,

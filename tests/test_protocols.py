@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from hf_deltakv.eval.perplexity import _window_logprobs, cache_bits, kv_elements, perplexity
-from hf_deltakv.formats import nbytes_of
+from hf_deltakv.quant import nbytes_of
 from hf_deltakv.registry import CACHES, build_cache
 
 from .conftest import tiny_model

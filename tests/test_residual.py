@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_deltakv import ResidualKVCache, ops
-from hf_deltakv.formats.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
-from hf_deltakv.ops import reference
+from hf_deltakv import ResidualKVCache, kernels
+from hf_deltakv.kernels import reference
+from hf_deltakv.quant.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
 from hf_deltakv.residual import ResidualLayout, load_compressor, save_compressor
 from hf_deltakv.residual import attention as residual_attention
 from hf_deltakv.residual.references import nearest_references
@@ -223,7 +223,7 @@ def test_training_code_is_disjoint_from_the_code_we_measure_on():
 @pytest.fixture(params=["vector", "scalar"])
 def latent_decoder(request):
     """The C++ latent decoder under test: the AVX-512 VBMI one (where the build has it) or the scalar one."""
-    compiled = ops._cpu_extension(torch.device("cpu"))
+    compiled = kernels._cpu_extension(torch.device("cpu"))
     if compiled is None:
         pytest.skip("no CPU kernels here")
     previous = compiled.vector_latent_decode(request.param == "vector")
@@ -242,15 +242,15 @@ def test_latent_kernels_match_the_reference(bits, magnitude, latent_decoder):
     latent = torch.randn(3, 37, len(bits) * GROUP) * magnitude
     latent[0, 0, :GROUP] = 0  # an all-zero group: scale 0
     latent[1, 2, :GROUP] = torch.arange(GROUP) - GROUP / 2  # codes landing on exact halves
-    packed, scales = ops.quantize_latent(latent, bits)
+    packed, scales = kernels.quantize_latent(latent, bits)
     expected_packed, expected_scales = reference.quantize_latent(latent, bits)
     assert torch.equal(packed, expected_packed) and torch.equal(
         scales.view(torch.int16), expected_scales.view(torch.int16)
     )
     expected = reference.dequantize_latent(packed, scales, bits)
-    assert torch.equal(ops.dequantize_latent(packed, scales, bits), expected)
+    assert torch.equal(kernels.dequantize_latent(packed, scales, bits), expected)
     buffer = torch.full((3 * 37 + 5, len(bits) * GROUP), 7.0, dtype=torch.bfloat16)
-    out = ops.dequantize_latent(packed.flatten(0, 1), scales.flatten(0, 1), bits, buffer[: 3 * 37])
+    out = kernels.dequantize_latent(packed.flatten(0, 1), scales.flatten(0, 1), bits, buffer[: 3 * 37])
     assert torch.equal(out.view(torch.int16), expected.flatten(0, 1).bfloat16().view(torch.int16))
     assert (buffer[3 * 37 :] == 7).all()  # rows after the slice untouched
 
@@ -261,7 +261,9 @@ def test_latent_decoder_reads_every_depth(latent_decoder):
     bits = list(BIT_DEPTHS)
     packed = torch.randint(0, 256, (41, sum(GROUP * b // 8 for b in bits)), generator=g, dtype=torch.uint8)
     scales = (torch.rand(41, len(bits), generator=g) * 3).half()
-    assert torch.equal(ops.dequantize_latent(packed, scales, bits), reference.dequantize_latent(packed, scales, bits))
+    assert torch.equal(
+        kernels.dequantize_latent(packed, scales, bits), reference.dequantize_latent(packed, scales, bits)
+    )
 
 
 @pytest.mark.parametrize("rope", ["none", "full", "tied"])
@@ -285,7 +287,7 @@ def test_latent_attention_kernel_matches_the_reference(rope, masked, key_dtype):
         allowed = torch.rand(batch, heads, rows, tokens, generator=g) > 0.3
         allowed[1, 2, 1] = False
     args = (query, keys.to(key_dtype), cos, sin, allowed, codes, scales, bits, 0.125, torch.randn(heads * dim) * 3)
-    for got, expected in zip(ops.latent_attention(*args), reference.latent_attention(*args), strict=True):
+    for got, expected in zip(kernels.latent_attention(*args), reference.latent_attention(*args), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

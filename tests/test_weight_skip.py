@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from hf_deltakv import ops
+from hf_deltakv import kernels
 from hf_deltakv.eval.texts import load_text
-from hf_deltakv.ops.reference import sparse_matvec
+from hf_deltakv.kernels.reference import sparse_matvec
 from hf_deltakv.weight_skip import (
     CURVE_LEVELS,
     MAX_SPARSITY,
@@ -71,7 +71,7 @@ def test_cpu_kernel_computes_the_specification(rows, n_in, n_out, threshold, dty
     bias = torch.randn(n_out).to(dtype) if with_bias else None
     scale = torch.rand(n_in) + 0.2 if with_scale else None
     expected, kept = sparse_matvec(x, wt, bias, scale, threshold)
-    got, got_kept = ops.sparse_matvec(x, wt, bias, scale, threshold)
+    got, got_kept = kernels.sparse_matvec(x, wt, bias, scale, threshold)
     assert got.dtype == dtype and got.shape == (rows, 1, n_out)
     assert got_kept == kept
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -83,7 +83,7 @@ def test_cpu_kernel_never_reads_skipped_rows():
     x[..., 64:150] = 0
     expected = x[..., :64] @ wt[:64] + x[..., 150:] @ wt[150:] + bias
     wt[64:150] = float("nan")  # would poison any product that read them
-    got, kept = ops.sparse_matvec(x, wt, bias, None, 0.0)
+    got, kept = kernels.sparse_matvec(x, wt, bias, None, 0.0)
     assert kept == 114
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

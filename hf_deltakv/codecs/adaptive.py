@@ -3,7 +3,7 @@
 Keys (before RoPE especially) have channels of very different ranges, and queries weigh channels very differently.
 A group of `group` tokens (aligned to absolute positions, like a video codec's group of pictures) stores, per
 channel, a range (`low`, fp16, and a step, fp16: the clipped range that codes the channel's tokens best, `CLIPS`),
-and every token's code in that channel at the channel's own bit depth (1-8 bits, `formats.bitplanes`). The depths
+and every token's code in that channel at the channel's own bit depth (1-8 bits, `quant.bitplanes`). The depths
 of a group spend a fixed budget of `bits * dim` bits per token where they reduce the attention-score error most:
 channel `c` gets about `bits + log2(range_c * sqrt(w_c)) - mean` bits (reverse water-filling), `w_c` being the mean
 squared query of that channel, paired as RoPE pairs channels, over the positions before the group (causal: observed
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-from ..formats import FP16_MAX, pack_4bit
-from ..formats.bitplanes import MAX_BITS
+from .. import kernels
+from ..quant import FP16_MAX, pack_4bit
+from ..quant.bitplanes import MAX_BITS
 from .base import StreamCodec, append_along_seq
 
 GROUPS = (8, 16, 32, 64)  # token group sizes (a plane is a whole number of bytes; the kernels read up to 64)
@@ -237,7 +237,7 @@ class AdaptiveChannelCodec(StreamCodec):
             for g in range(0, x.shape[2], chunk)
         ]
         codes, low, step = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
-        return ops.pack_planes(codes, depths), pack_4bit(depths), low, step
+        return kernels.pack_planes(codes, depths), pack_4bit(depths), low, step
 
     def _coded_tokens(self) -> int:
         """Stream tokens held in coded groups (the first coded group may start after sink slots)."""
@@ -268,7 +268,7 @@ class AdaptiveChannelCodec(StreamCodec):
         else:
             keep = (tokens + self.pad) // self.group  # whole groups before the cut
             start = keep * self.group - self.pad if keep else 0
-            partial = ops.decode_stream(self.layout(), start, tokens).to(torch.float16)
+            partial = kernels.decode_stream(self.layout(), start, tokens).to(torch.float16)
             for name in ("planes", "depths", "low", "step"):
                 value = getattr(self, name)[:, :, :keep]
                 setattr(self, name, value if keep else None)
@@ -279,9 +279,9 @@ class AdaptiveChannelCodec(StreamCodec):
         first_open = self.first_group + self.coded
         self.before_group = {g: v for g, v in self.before_group.items() if g >= first_open}
 
-    def layout(self) -> ops.AdaptiveStream:
+    def layout(self) -> kernels.AdaptiveStream:
         self.flush()
-        return ops.AdaptiveStream(
+        return kernels.AdaptiveStream(
             planes=self.planes,
             bits=self.depths,
             low=self.low,

@@ -1,7 +1,7 @@
 """What every stream codec provides: append tokens, describe its packed storage, count its bytes.
 
 A stream is one of a layer's two tensors (keys or values), `[batch, kv_heads, seq, head_dim]`. Codecs own encoding
-and their state (packed storage only); decoding is the op `ops.decode_stream` over the codec's `layout()`, so the
+and their state (packed storage only); decoding is the op `kernels.decode_stream` over the codec's `layout()`, so the
 PyTorch reference, the C++ and the Triton kernels all read one description of the storage. The layer decides what
 to feed a codec (pre-RoPE, after the sink tokens).
 """
@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops
-from ..formats import QuantizedTensor, nbytes_of
+from .. import kernels
+from ..quant import QuantizedTensor, nbytes_of
 
 State = torch.Tensor | QuantizedTensor | None
 
@@ -30,7 +30,7 @@ class StreamCodec(ABC):
         """Encode new tokens `x` `[batch, heads, new, dim]` (fp32) after those already stored."""
 
     @abstractmethod
-    def layout(self) -> ops.StreamLayout:
+    def layout(self) -> kernels.StreamLayout:
         """The packed storage as the ops read it (only once something is stored)."""
 
     def observe(self, energy: torch.Tensor, first: int) -> None:  # noqa: B027 - a hook most codecs leave empty
@@ -56,7 +56,7 @@ class StreamCodec(ABC):
 
     def decode_range(self, start: int, end: int) -> torch.Tensor:
         """Reconstruct tokens `start <= t < end` only, `[batch, heads, end - start, dim]` in fp32."""
-        return ops.decode_stream(self.layout(), start, end)
+        return kernels.decode_stream(self.layout(), start, end)
 
     def decode(self) -> torch.Tensor:
         """Reconstruct every stored token, `[batch, heads, length, dim]` in fp32."""

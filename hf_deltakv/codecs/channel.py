@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-from ..formats import get_format, quantize
+from .. import kernels
+from ..quant import get_format, quantize
 from .base import StreamCodec, append_along_seq
 
 
@@ -62,10 +62,10 @@ class ChannelGroupCodec(StreamCodec):
             self.tail = self.tail[:, :, : tokens - coded]
         else:  # the cut group's kept tokens go back to the fp16 tail, as they were stored
             keep = tokens // self.group
-            partial = ops.decode_stream(self.layout(), keep * self.group, tokens).to(torch.float16)
+            partial = kernels.decode_stream(self.layout(), keep * self.group, tokens).to(torch.float16)
             self.groups = self.groups.map(lambda t: t[:, :, :keep]) if keep else None
             self.tail = partial.contiguous()
         self.length = tokens
 
-    def layout(self) -> ops.ChannelStream:
-        return ops.ChannelStream(self.groups, self.tail, self.group, self.tail.shape[-1], self.length)
+    def layout(self) -> kernels.ChannelStream:
+        return kernels.ChannelStream(self.groups, self.tail, self.group, self.tail.shape[-1], self.length)

@@ -7,7 +7,7 @@ keyframe plus a prefix sum of the dequantized deltas.
 
 With `intra=True`, each block of channels of a token may instead be coded against a long-term reference, whichever
 reconstructs it better: the inter/intra decision of video codecs. The long-term reference is the stream's running
-mean (`mean_reference=True`; zero otherwise), snapshotted in fp16 on a fixed schedule (`ops.layout.SNAPSHOTS`:
+mean (`mean_reference=True`; zero otherwise), snapshotted in fp16 on a fixed schedule (`kernels.layout.SNAPSHOTS`:
 16, 64, 256 and 1024 tokens, then every 2048), and used only for later tokens (causal). Keys before RoPE carry a large
 per-channel offset and only weak token-to-token correlation, so in many blocks the mean predicts better than the
 previous token does. The one flag bit per block lives in the least significant mantissa bit of the block's fp16
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-from ..formats import QuantizedTensor, dequantize, get_format, quantize
-from ..ops.layout import SNAPSHOTS
-from ..ops.reference import long_term_reference
+from .. import kernels
+from ..kernels.layout import SNAPSHOTS
+from ..kernels.reference import long_term_reference
+from ..quant import QuantizedTensor, dequantize, get_format, quantize
 from .base import StreamCodec, append_along_seq
 
 REFERENCES = ("previous", "keyframe")
@@ -92,7 +92,7 @@ class DeltaCodec(StreamCodec):
         return min(SNAPSHOTS.count(position) - 1, self.means.shape[2] - 1)
 
     def _means_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The long-term reference of tokens at `positions` (see `ops.reference.long_term_reference`)."""
+        """The long-term reference of tokens at `positions` (see `kernels.reference.long_term_reference`)."""
         means = self.means if self.mean_reference else None
         return long_term_reference(means, SNAPSHOTS, positions, like.shape)
 
@@ -102,17 +102,17 @@ class DeltaCodec(StreamCodec):
         fmt = get_format(self.delta_format)
         blocks = x.shape[-1] // fmt.block_size
         supported = fmt.name in ("q4_0", "q4_0_16") and self.reference == "previous"
-        if not supported or x.shape[-1] % fmt.block_size or blocks & (blocks - 1) or not ops.use_triton(x.device):
+        if not supported or x.shape[-1] % fmt.block_size or blocks & (blocks - 1) or not kernels.use_triton(x.device):
             return None
         return fmt.block_size
 
     def _encode_groups(
         self, slots: torch.Tensor, long_term: torch.Tensor, keyframes: torch.Tensor
     ) -> tuple[QuantizedTensor, torch.Tensor]:
-        """Code offsets 1..kf-1 of every group with `ops.delta_encode_groups`."""
+        """Code offsets 1..kf-1 of every group with `kernels.delta_encode_groups`."""
         batch, heads, groups, kf, dim = slots.shape
         block = self._kernel_block(slots)
-        codes, scales, recon = ops.delta_encode_groups(
+        codes, scales, recon = kernels.delta_encode_groups(
             slots.reshape(-1, groups, kf, dim),
             long_term.reshape(-1, groups, kf, dim) if self.intra else None,
             keyframes.reshape(-1, groups, dim),
@@ -167,7 +167,7 @@ class DeltaCodec(StreamCodec):
                     # The first group continues a group begun in an earlier call: its reference is the last token.
                     base = torch.cat([self.reference_state, base[:, :, 1:]], dim=2)
                 long = long_term[:, :, :, offset]
-                q, recon[:, :, :, offset] = ops.reference.code_delta(
+                q, recon[:, :, :, offset] = kernels.reference.code_delta(
                     slots[:, :, :, offset], base, long, self.delta_format, self.intra
                 )
                 coded.append(q)
@@ -192,10 +192,10 @@ class DeltaCodec(StreamCodec):
     def _append_token(self, x: torch.Tensor) -> None:
         """One decoded token `[B, H, D]` after the first: the same arithmetic as the general path of `append` (same
         bytes, tested), without its whole-group scaffolding, which dominates the cost of a decoding step; on the
-        CPU through the compiled encode kernels (`ops.quantize`, `ops.code_delta`)."""
+        CPU through the compiled encode kernels (`kernels.quantize`, `kernels.code_delta`)."""
         offset = self.length % self.kf
         if offset == 0:
-            key = ops.quantize(x, self.keyframe_format)
+            key = kernels.quantize(x, self.keyframe_format)
             self.keyframes = append_along_seq(self.keyframes, key.map(lambda t: t.unsqueeze(2)))
             self.reference_state = dequantize(key).unsqueeze(2)
         else:
@@ -204,7 +204,7 @@ class DeltaCodec(StreamCodec):
             if self.intra:
                 index = self._snapshot_index(self.length)
                 long_term = self.means[:, :, index].float() if index >= 0 else torch.zeros_like(x)
-            q, recon = ops.code_delta(x, base, long_term, self.delta_format, self.intra)
+            q, recon = kernels.code_delta(x, base, long_term, self.delta_format, self.intra)
             self.deltas = append_along_seq(self.deltas, q.map(lambda t: t.unsqueeze(2)))
             if self.reference == "previous":
                 self.reference_state = recon.unsqueeze(2)
@@ -236,8 +236,8 @@ class DeltaCodec(StreamCodec):
         names = ("kf", "delta_format", "keyframe_format", "reference", "intra", "mean_reference")
         return {name: getattr(self, name) for name in names}
 
-    def layout(self) -> ops.DeltaStream:
-        return ops.DeltaStream(
+    def layout(self) -> kernels.DeltaStream:
+        return kernels.DeltaStream(
             keyframes=self.keyframes,
             deltas=self.deltas,
             means=self.means if self.mean_reference else None,

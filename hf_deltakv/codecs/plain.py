@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-from ..formats import SEARCHABLE_KINDS, get_format
+from .. import kernels
+from ..quant import SEARCHABLE_KINDS, get_format
 from .base import GrowingRows, StreamCodec
 
 
@@ -14,7 +14,7 @@ class PlainCodec(StreamCodec):
 
     Args:
         fmt: block format name (`q4_0`, `q4_1`, `q8_0`, `f16`).
-        search_scale: search each block's scale for the least error (q4_0 family and q3_0; `formats.quantize`).
+        search_scale: search each block's scale for the least error (q4_0 family and q3_0; `quant.quantize`).
     """
 
     def __init__(self, fmt: str, search_scale: bool = False) -> None:
@@ -31,7 +31,7 @@ class PlainCodec(StreamCodec):
 
     def append(self, x: torch.Tensor) -> None:
         # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
-        coded = ops.quantize(x, self.fmt, self.search_scale)
+        coded = kernels.quantize(x, self.fmt, self.search_scale)
         if self._rows.view is not self.stored:  # replaced since (batch reorder, crop): grow from it
             self._rows.reset(self.stored)
         self.stored = self._rows.append(coded)
@@ -48,5 +48,5 @@ class PlainCodec(StreamCodec):
         self.stored = self.stored.map(lambda t: t[:, :, :tokens])
         self.length = tokens
 
-    def layout(self) -> ops.PlainStream:
-        return ops.PlainStream(self.stored, self.stored.dim, self.length)
+    def layout(self) -> kernels.PlainStream:
+        return kernels.PlainStream(self.stored, self.stored.dim, self.length)

@@ -1,4 +1,4 @@
-"""A codec that codes Hadamard-rotated head vectors (`ops.hadamard`) and decodes back to the original basis."""
+"""A codec that codes Hadamard-rotated head vectors (`kernels.hadamard`) and decodes back to the original basis."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from .. import ops
-from ..ops.hadamard import rotate, rotation_block
+from .. import kernels
+from ..kernels.hadamard import rotate, rotation_block
 from .base import StreamCodec
 
 
@@ -48,6 +48,6 @@ class RotatedCodec(StreamCodec):
     def truncate(self, tokens: int) -> None:
         self.inner.truncate(tokens)
 
-    def layout(self) -> ops.StreamLayout:
+    def layout(self) -> kernels.StreamLayout:
         inner = self.inner.layout()
         return dataclasses.replace(inner, rotation=rotation_block(inner.dim))

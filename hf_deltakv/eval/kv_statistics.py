@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..cache import model_layer_types
-from ..ops.hadamard import rotate
+from ..kernels.hadamard import rotate
 from ..rope import RopeInverter, find_rotary_embedding
 
 

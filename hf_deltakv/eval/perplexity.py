@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..formats import nbytes_of
+from ..quant import nbytes_of
 
 
 @dataclass

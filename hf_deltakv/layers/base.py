@@ -13,8 +13,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.stored import stored_pair
-from ..formats import FP16_MAX, nbytes_of
-from ..ops.online_softmax import OnlineSoftmax
+from ..kernels.online_softmax import OnlineSoftmax
+from ..quant import FP16_MAX, nbytes_of
 from ..rope import RopeInverter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

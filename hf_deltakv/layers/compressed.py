@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .. import ops
+from .. import kernels
 from ..codecs.adaptive import pair_energy
 from ..codecs.base import StreamCodec
-from ..ops.online_softmax import CHUNK_TOKENS
+from ..kernels.online_softmax import CHUNK_TOKENS
 from ..rope import RopeInverter, apply_rope
 from .base import PositionLog, StreamLayer
 
@@ -76,7 +76,7 @@ class CompressedLayer(StreamLayer):
         self.key_codec.observe(energy, self.cumulative_length - positions)
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Through `ops.stream_attention`: the fused kernel where one applies, else the chunked reference."""
+        """Through `kernels.stream_attention`: the fused kernel where one applies, else the chunked reference."""
         stored = self.key_codec.length
         if not stored or (mask is not None and mask.shape[1] != 1):  # per-head masks: the generic chunked path
             return super().attend(query, mask, scale)
@@ -89,7 +89,7 @@ class CompressedLayer(StreamLayer):
         else:
             sink_keys = query.new_empty(batch, self.kv_heads, 0, dim)
             sink_values = query.new_empty(batch, self.kv_heads, 0, self.value_dim)
-        out = ops.stream_attention(
+        out = kernels.stream_attention(
             query.reshape(batch, self.kv_heads, group * n, dim),
             sink_keys,
             sink_values,

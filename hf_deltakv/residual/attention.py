@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from ..formats.bitpack import GROUP
-from ..ops.online_softmax import OnlineSoftmax
+from .. import kernels
+from ..kernels.online_softmax import OnlineSoftmax
+from ..quant.bitpack import GROUP
 from .compressor import LayerCompressor
 
 CHUNK_TOKENS = 4096  # coded tokens decoded at a time: one chunk up to 4K tokens (fewer small ops; ~6 MB transient)
@@ -90,7 +90,7 @@ def attend_coded(
         first: the position of the first coded token in `state`'s key order.
         kv_heads: heads per token.
         rope_tables: `rope_tables(begin, end)`: channel-major cos and sin `[batch, dim | dim / 2, end - begin]` of
-            coded tokens `begin:end` (see `ops.latent_attention`), or None, None without RoPE.
+            coded tokens `begin:end` (see `kernels.latent_attention`), or None, None without RoPE.
     """
     half = len(bits) // 2
     key_depths, value_depths = tuple(bits[:half]), tuple(bits[half:])
@@ -122,7 +122,7 @@ def attend_coded(
         rows_padded = -(-count // PRODUCT_ROWS) * PRODUCT_ROWS
         latent = torch.empty(rows_padded, key_decoder.shape[1], dtype=dtype, device=codes.device)
         latent[count:].zero_()
-        ops.dequantize_latent(
+        kernels.dequantize_latent(
             codes[:, start:end, :key_bytes], scales[:, start:end, :key_scales], key_bits, latent[:count]
         )
         keys = F.linear(latent, key_decoder)[:count].view(batch, end - start, -1)  # less the mean
@@ -131,7 +131,7 @@ def attend_coded(
             allowed = allowed.expand(batch, kv_heads, group, n, end - start).reshape(batch, kv_heads, group * n, -1)
         cos, sin = rope_tables(start, end)
         value_codes, value_scales = codes[:, start:end, key_bytes:], scales[:, start:end, key_scales:]
-        maximum, weight, latent_acc = ops.latent_attention(
+        maximum, weight, latent_acc = kernels.latent_attention(
             rows, keys, cos, sin, allowed, value_codes, value_scales, value_bits, state.scale, key_mean
         )
         acc = torch.matmul(latent_acc, value_decoder) + weight[..., None] * value_mean[:, None]

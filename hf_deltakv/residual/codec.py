@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.bitpack import GROUP, fake_quantize_group
-from ..ops import dequantize_latent, quantize_latent
+from ..kernels import dequantize_latent, quantize_latent
+from ..quant.bitpack import GROUP, fake_quantize_group
 from .compressor import LayerCompressor
 
 

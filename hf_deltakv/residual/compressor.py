@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from torch import nn
 
-from ..formats import get_format
-from ..formats.bitpack import GROUP, check_bits
+from ..quant import get_format
+from ..quant.bitpack import GROUP, check_bits
 
 
 @dataclass(frozen=True)

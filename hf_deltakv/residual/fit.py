@@ -15,7 +15,7 @@ from torch import nn
 
 from ..eval.kv_statistics import kv_streams
 from ..eval.perplexity import perplexity
-from ..formats.bitpack import BIT_DEPTHS, GROUP, fake_quantize_group
+from ..quant.bitpack import BIT_DEPTHS, GROUP, fake_quantize_group
 from .checkpoint import model_signature
 from .compressor import ResidualCompressor, ResidualConfig, ResidualLayout
 from .references import split_tokens

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..formats import QuantizedTensor, nbytes_of
+from ..kernels.online_softmax import OnlineSoftmax
 from ..layers import PositionLog, StreamLayer
-from ..ops.online_softmax import OnlineSoftmax
+from ..quant import QuantizedTensor, nbytes_of
 from ..rope import RopeInverter
 from .attention import attend_coded
 from .codec import decode_residuals, encode_residuals

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import QuantizedTensor, dequantize, quantize
+from ..quant import QuantizedTensor, dequantize, quantize
 from .compressor import ResidualLayout
 
 MAX_REFERENCES = 2**15 - 1  # reference ids are stored as int16

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_deltakv import ops
-from hf_deltakv.formats import QuantizedTensor
-from hf_deltakv.ops.cpu import extension
+from hf_deltakv import kernels
+from hf_deltakv.kernels.cpu import extension
+from hf_deltakv.quant import QuantizedTensor
 
 FORMATS = ["q4_0", "q4_0_16", "q4_1", "q4_1_16", "q8_0"]
 values = st.floats(-1e3, 1e3, allow_nan=False, width=32)
@@ -36,7 +36,7 @@ def test_extension_builds():
 def test_quantize_kernel_is_byte_identical(x, fmt, search):
     t = torch.from_numpy(x + np.float32(0.0))
     search = search and fmt in ("q4_0", "q4_0_16")  # the scale search: the q4_0 family's encoder option
-    _same_bytes(ops.quantize(t, fmt, search), ops.reference.quantize(t, fmt, search))
+    _same_bytes(kernels.quantize(t, fmt, search), kernels.reference.quantize(t, fmt, search))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -47,11 +47,11 @@ def test_quantize_kernel_on_edge_blocks(fmt):
     x[3] = torch.linspace(-5, 5, 32)  # ties in |x|: the first maximum wins
     x[4, ::2] = -2.0
     x[5] = 7.5
-    _same_bytes(ops.quantize(x, fmt), ops.reference.quantize(x, fmt))
+    _same_bytes(kernels.quantize(x, fmt), kernels.reference.quantize(x, fmt))
     if fmt in ("q4_0", "q4_0_16"):
-        _same_bytes(ops.quantize(x, fmt, True), ops.reference.quantize(x, fmt, True))
+        _same_bytes(kernels.quantize(x, fmt, True), kernels.reference.quantize(x, fmt, True))
     big = torch.randn(700, 3, 64)  # a prefill: rows spread over threads
-    _same_bytes(ops.quantize(big, fmt), ops.reference.quantize(big, fmt))
+    _same_bytes(kernels.quantize(big, fmt), kernels.reference.quantize(big, fmt))
 
 
 @settings(max_examples=60, deadline=None)
@@ -62,32 +62,32 @@ def test_code_delta_kernel_is_byte_identical(seed, fmt, intra, spread):
     base = torch.randn(3, 4, 64, generator=g) * 2
     long_term = base + torch.randn(3, 4, 64, generator=g) * spread
     x = base + torch.randn(3, 4, 64, generator=g) * spread * torch.rand(3, 4, 1, generator=g)
-    got, got_recon = ops.code_delta(x, base, long_term, fmt, intra)
-    want, want_recon = ops.reference.code_delta(x, base, long_term, fmt, intra)
+    got, got_recon = kernels.code_delta(x, base, long_term, fmt, intra)
+    want, want_recon = kernels.reference.code_delta(x, base, long_term, fmt, intra)
     _same_bytes(got, want)
     assert torch.equal(got_recon, want_recon)
 
 
 def test_forced_reference_skips_the_encode_kernels(monkeypatch):
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
-    monkeypatch.setattr("hf_deltakv.ops.cpu.encode.quantize", None)  # would raise if called
+    monkeypatch.setattr("hf_deltakv.kernels.cpu.encode.quantize", None)  # would raise if called
     x = torch.randn(2, 32)
-    _same_bytes(ops.quantize(x, "q4_0"), ops.reference.quantize(x, "q4_0"))
+    _same_bytes(kernels.quantize(x, "q4_0"), kernels.reference.quantize(x, "q4_0"))
 
 
 @settings(max_examples=25, deadline=None)
 @given(group=st.sampled_from([8, 16, 32, 64]), dim=st.sampled_from([2, 8, 64]), seed=st.integers(0, 999))
 def test_bit_planes_kernels_match_the_reference(group, dim, seed):
-    """Packing (encode) and decoding whole adaptive groups in C++ against formats.bitplanes / reference."""
+    """Packing (encode) and decoding whole adaptive groups in C++ against quant.bitplanes / reference."""
     from hf_deltakv.codecs.adaptive import allocate_bits
-    from hf_deltakv.formats import pack_4bit
-    from hf_deltakv.formats.bitplanes import pack_planes
-    from hf_deltakv.ops.reference import decode_groups
+    from hf_deltakv.kernels.reference import decode_groups
+    from hf_deltakv.quant import pack_4bit
+    from hf_deltakv.quant.bitplanes import pack_planes
 
     g = torch.Generator().manual_seed(seed)
     depths = allocate_bits(torch.rand(2, 3, dim, generator=g) * 100, 4 * dim)
     codes = (torch.rand(2, 3, group, dim, generator=g) * (2 ** depths.unsqueeze(-2).float())).floor().to(torch.uint8)
-    planes = ops.pack_planes(codes, depths)
+    planes = kernels.pack_planes(codes, depths)
     assert torch.equal(planes, pack_planes(codes, depths))
     low, step = torch.randn(2, 3, dim).half(), torch.rand(2, 3, dim).half()
     want = decode_groups(planes, pack_4bit(depths), low, step)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import Kind, QuantizedTensor
+from ...quant import Kind, QuantizedTensor
 from ..hadamard import rotate
 from ..layout import PlainStream
 

@@ -1,6 +1,6 @@
 // Encoding one decoded token on the CPU: block quantization (q4_0, q4_1, q8_0 and the 16-wide variants) and the
-// delta codec's closed-loop inter/intra step. Specifications: hf_deltakv.formats.quantize and
-// hf_deltakv.ops.reference.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
+// delta codec's closed-loop inter/intra step. Specifications: hf_deltakv.quant.quantize and
+// hf_deltakv.kernels.reference.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
 // arithmetic in the reference's order, with no fused multiply-adds.
 #pragma GCC optimize("fp-contract=off")
 #include <torch/extension.h>
@@ -15,10 +15,10 @@
 namespace {
 
 #if !defined(HFD_KIND_Q4_SYM)
-#error "build through hf_deltakv.ops.cpu: the format ids come from hf_deltakv.ops.layout.constants()"
+#error "build through hf_deltakv.kernels.cpu: the format ids come from hf_deltakv.kernels.layout.constants()"
 #endif
 enum Format : int64_t { Q4_SYM = HFD_KIND_Q4_SYM, Q4_ASYM = HFD_KIND_Q4_ASYM, Q8 = HFD_KIND_Q8 };
-// fp16's largest finite value, where scales saturate (formats/blocks.py: FP16_MAX).
+// fp16's largest finite value, where scales saturate (quant/blocks.py: FP16_MAX).
 const float FP16_MAX = static_cast<float>(std::numeric_limits<c10::Half>::max());
 
 inline float clampf(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
@@ -29,7 +29,7 @@ struct Coded {
   int64_t bytes, n_blocks;
 };
 
-// Quantize one block of `bs` values into `codes` (packed), its fp16 scale (and min); mirrors formats/blocks.py.
+// Quantize one block of `bs` values into `codes` (packed), its fp16 scale (and min); mirrors quant/blocks.py.
 void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, at::Half* scale, at::Half* min) {
   bool finite = true;
   for (int64_t j = 0; j < bs; ++j) finite = finite && std::isfinite(x[j]);
@@ -79,7 +79,7 @@ void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, 
   for (int64_t j = 0; j < half; ++j) codes[j] = q[j] | static_cast<uint8_t>(q[j + half] << 4);
 }
 
-// Dequantize one block (reference: formats/blocks.py dequantize).
+// Dequantize one block (reference: quant/blocks.py dequantize).
 void dequantize_block(const uint8_t* codes, float scale, float min, int64_t bs, int64_t format, float* out) {
   if (format == Q8) {
     for (int64_t j = 0; j < bs; ++j) out[j] = static_cast<float>(static_cast<int8_t>(codes[j])) * scale;
@@ -107,7 +107,7 @@ std::vector<torch::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64
   return {codes, scales, mins};
 }
 
-// q4_0 with the scale searched over `divisors` of the signed absmax (formats/blocks.py: quantize_q4_0 with
+// q4_0 with the scale searched over `divisors` of the signed absmax (quant/blocks.py: quantize_q4_0 with
 // search_scale): the first divisor whose decoded block, with the stored fp16 scale, has the least squared error.
 void quantize_block_searched(const float* x, int64_t bs, const std::vector<double>& divisors, uint8_t* codes,
                              at::Half* scale) {
@@ -223,7 +223,7 @@ std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, 
   return {out[0], out[1], out[2], recon};
 }
 
-// Bit planes of per-channel codes (formats/bitplanes.py: pack_planes). codes uint8 [N, G, D] (G a multiple of 8),
+// Bit planes of per-channel codes (quant/bitplanes.py: pack_planes). codes uint8 [N, G, D] (G a multiple of 8),
 // depths uint8 [N, D] (each group's depths sum to `planes`). Returns uint8 [N, planes, G / 8].
 torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t planes) {
   codes = codes.contiguous(), depths = depths.contiguous();
@@ -250,8 +250,8 @@ torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t pla
   return out;
 }
 
-// Decoded values of whole adaptive groups (ops/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed
-// depths uint8 [N, D / 2] (formats.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D].
+// Decoded values of whole adaptive groups (kernels/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed
+// depths uint8 [N, D / 2] (quant.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D].
 torch::Tensor decode_planes(torch::Tensor planes, torch::Tensor depths, torch::Tensor low, torch::Tensor step) {
   planes = planes.contiguous(), depths = depths.contiguous(), low = low.contiguous(), step = step.contiguous();
   const int64_t n = planes.size(0), count = planes.size(1), width = planes.size(2), group = width * 8;

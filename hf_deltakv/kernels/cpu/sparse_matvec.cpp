@@ -1,5 +1,5 @@
 // Decode-time linear layers that read only the weights of the input channels that matter (weight skip).
-// Specification: hf_deltakv.ops.reference.sparse_matvec. The weight is stored input-major (`wt` [in, out], the
+// Specification: hf_deltakv.kernels.reference.sparse_matvec. The weight is stored input-major (`wt` [in, out], the
 // transpose of nn.Linear's [out, in]), so a kept input channel's weights are one contiguous row. The kernel reads the
 // activations once, lists the kept channels, and streams only their rows, whole and in order: each thread takes a
 // share of the kept rows (long contiguous reads, what the memory prefetchers serve best) and adds ROWS_PER_PASS rows

@@ -1,5 +1,5 @@
-"""Triton kernels, one op per file; each computes what the function of the same name in `ops/reference.py`
-specifies. Importing a file here needs Triton (an optional extra); `ops.use_triton` decides when to."""
+"""Triton kernels, one op per file; each computes what the function of the same name in `kernels/reference.py`
+specifies. Importing a file here needs Triton (an optional extra); `kernels.use_triton` decides when to."""
 
 from __future__ import annotations
 

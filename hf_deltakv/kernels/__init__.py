@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from ..formats import Kind, QuantizedTensor, get_format
-from ..formats.bitpack import GROUP
+from ..quant import Kind, QuantizedTensor, get_format
+from ..quant.bitpack import GROUP
 from . import reference
 from .layout import (
     AdaptiveStream,
@@ -124,10 +124,10 @@ def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
 
 
 def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """`formats.bitplanes.pack_planes`, dispatched: the C++ kernel on the CPU (the same bytes, tested)."""
+    """`quant.bitplanes.pack_planes`, dispatched: the C++ kernel on the CPU (the same bytes, tested)."""
     compiled = _cpu_extension(codes.device)
     if compiled is None:
-        from ..formats.bitplanes import pack_planes as reference_pack
+        from ..quant.bitplanes import pack_planes as reference_pack
 
         return reference_pack(codes, bits)
     lead, (group, dim) = codes.shape[:-2], codes.shape[-2:]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats.bitpack import GROUP
+from ...quant.bitpack import GROUP
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Triton kernels: quantize + pack into llama.cpp block formats (q4_0, q4_1, q8_0 and our 16-wide variants).
-Specification: `hf_deltakv.formats.quantize` (byte-identical codes and scales).
+Specification: `hf_deltakv.quant.quantize` (byte-identical codes and scales).
 
 Each program handles `ROWS` blocks. A 4-bit block is loaded as its two halves, because byte j of a block packs
 code j (low nibble) with code j + block/2 (high nibble), llama.cpp's order.
@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import Kind, QuantizedTensor, get_format
-from ...formats.blocks import FP16_MAX as FP16_MAX_VALUE
+from ...quant import Kind, QuantizedTensor, get_format
+from ...quant.blocks import FP16_MAX as FP16_MAX_VALUE
 
 FP16_MAX = tl.constexpr(FP16_MAX_VALUE)  # where scales saturate, as in the reference
 ROWS = 16
@@ -96,10 +96,10 @@ def _quantize_q8_0_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, BLOCK: tl.cons
 
 
 def quantize(x: torch.Tensor, fmt_name: str) -> QuantizedTensor:
-    """Triton version of `formats.quantize` for q4_0, q4_1, q8_0, q4_0_16 and q4_1_16."""
+    """Triton version of `quant.quantize` for q4_0, q4_1, q8_0, q4_0_16 and q4_1_16."""
     fmt = get_format(fmt_name)
     if fmt.name == "f16":
-        raise ValueError("f16 needs no kernel; use hf_deltakv.formats.quantize")
+        raise ValueError("f16 needs no kernel; use hf_deltakv.quant.quantize")
     if not x.is_floating_point():
         raise ValueError(f"expected a floating-point tensor, got {x.dtype}")
     lead, dim, block = x.shape[:-1], x.shape[-1], fmt.block_size

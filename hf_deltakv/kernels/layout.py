@@ -2,7 +2,7 @@
 
 Codecs own encoding and their state; each describes that state as one of these (`StreamCodec.layout()`), and every
 op (the PyTorch references, the C++ and Triton kernels) reads only these: ops never see a codec. The C++ kernels read
-the fields by name, and the integers they switch on (`StreamKind`, `formats.Kind`) are handed to them from here.
+the fields by name, and the integers they switch on (`StreamKind`, `quant.Kind`) are handed to them from here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from enum import IntEnum
 
 import torch
 
-from ..formats import QuantizedTensor
+from ..quant import QuantizedTensor
 
 
 class StreamKind(IntEnum):
@@ -105,9 +105,9 @@ class AdaptiveStream:
 
     Tokens are grouped by absolute position: group `g` covers slots `g * group ... (g + 1) * group - 1`, and the stream
     starts at slot `offset` of group 0 (the slots before it are the raw sink tokens; they are coded as padding and
-    never read). Per group and channel: `bits` (1..8, two per byte as `formats.pack_4bit` packs them, `uint8
+    never read). Per group and channel: `bits` (1..8, two per byte as `quant.pack_4bit` packs them, `uint8
     [batch, heads, groups, dim / 2]`), `low` and `step` (fp16 `[batch, heads, groups, dim]`), and codes as bit planes
-    (`formats.bitplanes`, `uint8 [batch, heads, groups, planes, group / 8]`): a value is `low + code * step`. `tail`:
+    (`quant.bitplanes`, `uint8 [batch, heads, groups, planes, group / 8]`): a value is `low + code * step`. `tail`:
     fp16 `[batch, heads, t, dim]`, the tokens after the last coded group, raw until their group is complete.
     """
 
@@ -129,8 +129,8 @@ StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream
 
 def constants() -> dict[str, int]:
     """The integers the C++ kernels switch on, by macro name (handed to the compiler as `-D` definitions)."""
-    from ..formats import Kind
-    from ..formats.bitpack import GROUP
+    from ..quant import Kind
+    from ..quant.bitpack import GROUP
 
     table = {f"HFD_KIND_{k.name}": int(k) for k in Kind}
     table.update({f"HFD_STREAM_{k.name}": int(k) for k in StreamKind})

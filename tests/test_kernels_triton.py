@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_deltakv.codecs import PlainCodec, RotatedCodec
-from hf_deltakv.ops import reference
+from hf_deltakv.kernels import reference
 
 from .conftest import delta_codec
 
@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="needs the triton extra")
     [(1, 7, 45, 0.5, True), (3, 65, 96, 0.0, False), (2, 130, 33, 1.0, True)],
 )
 def test_sparse_matvec_matches_reference(batch, n_out, n_in, threshold, bias):
-    from hf_deltakv.ops.triton.sparse_matvec import sparse_matvec
+    from hf_deltakv.kernels.triton.sparse_matvec import sparse_matvec
 
     torch.manual_seed(n_in)
     x = torch.randn(batch, n_in, dtype=torch.bfloat16).float()
@@ -34,7 +34,7 @@ def test_sparse_matvec_matches_reference(batch, n_out, n_in, threshold, bias):
 
 
 def test_sparse_matvec_never_reads_skipped_rows_and_with_nothing_kept_is_the_bias():
-    from hf_deltakv.ops.triton.sparse_matvec import sparse_matvec
+    from hf_deltakv.kernels.triton.sparse_matvec import sparse_matvec
 
     x, wt, b = torch.randn(1, 20), torch.randn(20, 5), torch.randn(5)
     x[0, 10:] = 0
@@ -49,8 +49,8 @@ def test_sparse_matvec_never_reads_skipped_rows_and_with_nothing_kept_is_the_bia
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"])
 @pytest.mark.parametrize("shape", [(3, 5, 40), (1, 64), (2, 1, 3, 7)])
 def test_quantize_is_byte_identical(fmt, shape):
-    from hf_deltakv.formats import quantize
-    from hf_deltakv.ops.triton import quantize as kernel
+    from hf_deltakv.kernels.triton import quantize as kernel
+    from hf_deltakv.quant import quantize
 
     torch.manual_seed(sum(shape))
     x = (torch.randn(shape, dtype=torch.bfloat16) * 3).float()
@@ -66,8 +66,8 @@ def test_quantize_is_byte_identical(fmt, shape):
 
 
 def test_quantize_kernel_marks_non_finite_blocks_nan():
-    from hf_deltakv.formats import dequantize
-    from hf_deltakv.ops.triton import quantize as kernel
+    from hf_deltakv.kernels.triton import quantize as kernel
+    from hf_deltakv.quant import dequantize
 
     x = torch.randn(2, 64)
     x[0, 3] = float("inf")
@@ -84,7 +84,7 @@ def test_quantize_kernel_marks_non_finite_blocks_nan():
 def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads, tokens, masked):
     """The plain block-quantized kernel (rotated keys served by rotating the query) against the reference over the
     same storage; sinks masked out so that both see the stream only."""
-    from hf_deltakv.ops.triton.decode_attention import plain_attention, supports
+    from hf_deltakv.kernels.triton.decode_attention import plain_attention, supports
 
     torch.manual_seed(tokens)
     dim, group, sinks = 64, q_heads // kv_heads, 1
@@ -110,8 +110,8 @@ def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads,
 @pytest.mark.parametrize("bits", [[4, 0, 2, 8], [3, 5, 6, 0, 0, 2], [0, 8]])
 @pytest.mark.parametrize("lead", [(1,), (2, 5)])
 def test_dequantize_latent_matches_reference(bits, lead):
-    from hf_deltakv.formats.bitpack import GROUP
-    from hf_deltakv.ops.triton.latent import dequantize_latent
+    from hf_deltakv.kernels.triton.latent import dequantize_latent
+    from hf_deltakv.quant.bitpack import GROUP
     from hf_deltakv.residual.codec import quantize_latent
 
     torch.manual_seed(len(bits) + len(lead))
@@ -128,7 +128,7 @@ def test_dequantize_latent_matches_reference(bits, lead):
     [(2, 3, 5, 64, 16, True), (1, 2, 4, 64, 32, True), (3, 1, 6, 32, 16, False), (1, 2, 1, 64, 16, True)],
 )
 def test_delta_encode_matches_reference(streams, groups, kf, dim, block, intra):
-    from hf_deltakv.ops.triton.delta_encode import delta_encode_groups
+    from hf_deltakv.kernels.triton.delta_encode import delta_encode_groups
 
     torch.manual_seed(kf * dim)
     walk = torch.randn(streams, groups, kf, dim, dtype=torch.bfloat16).float().cumsum(2)
@@ -145,7 +145,7 @@ def test_delta_encode_matches_reference(streams, groups, kf, dim, block, intra):
 @pytest.mark.parametrize("options", [{"kf": 4}, {"kf": 8, "delta_format": "q4_0"}, {"kf": 5, "intra": False}])
 def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, options):
     """DeltaCodec takes the fused encode kernel on GPUs; forced here (interpreter) it must store the same bytes."""
-    import hf_deltakv.ops
+    import hf_deltakv.kernels
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 43, 64, dtype=torch.bfloat16).float().cumsum(2)
@@ -153,8 +153,8 @@ def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, op
     plain = delta_codec(**{"delta_format": "q4_0_16", **options})
     plain.append(x)
     plain.append(step)
-    monkeypatch.setattr(hf_deltakv.ops, "use_triton", lambda device: True)
-    monkeypatch.setattr(hf_deltakv.ops, "_cpu_extension", lambda device: None)
+    monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
+    monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
     fused = delta_codec(**{"delta_format": "q4_0_16", **options})
     fused.append(x)
     fused.append(step)
@@ -177,7 +177,7 @@ def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, op
 def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, intra, values, masked, per_split):
     """The delta cache's fused decode attention (segmented scan, un-rotation and RoPE in the tile) against
     `reference.stream_attention` on the same storage (sinks masked out, so both see the stream only)."""
-    from hf_deltakv.ops.triton.delta_attention import delta_attention, supports
+    from hf_deltakv.kernels.triton.delta_attention import delta_attention, supports
 
     torch.manual_seed(tokens + dim)
     batch, kv_heads, group = 2, 2, 3
@@ -215,10 +215,10 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
 
 @pytest.mark.parametrize("keys_kind", ["delta", "plain"])
 def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monkeypatch, keys_kind):
-    """`ops.stream_attention` on a Triton device (faked: the interpreter runs on the CPU): a Triton kernel over the
+    """`kernels.stream_attention` on a Triton device (faked: the interpreter runs on the CPU): a Triton kernel over the
     stream, then the raw sinks merged in, equal to the reference over sinks and stream."""
-    import hf_deltakv.ops as ops
-    from hf_deltakv.ops.triton import decode_attention, delta_attention
+    import hf_deltakv.kernels as kernels
+    from hf_deltakv.kernels.triton import decode_attention, delta_attention
 
     torch.manual_seed(5)
     batch, kv_heads, group, dim, tokens, sinks = 1, 2, 2, 32, 40, 3
@@ -240,6 +240,6 @@ def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monke
     )
     original = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: called.append(1) or original(*a, **k))
-    monkeypatch.setattr(ops, "use_triton", lambda device: True)
-    torch.testing.assert_close(ops.stream_attention(*args), expected, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(kernels, "use_triton", lambda device: True)
+    torch.testing.assert_close(kernels.stream_attention(*args), expected, atol=1e-4, rtol=1e-4)
     assert called

@@ -1,12 +1,12 @@
 """Python side of the CPU encode kernels (`encode.cpp`): one decoded token's block quantization and closed-loop delta
-step, byte-identical to `formats.quantize` and `reference.code_delta` (tested)."""
+step, byte-identical to `quant.quantize` and `reference.code_delta` (tested)."""
 
 from __future__ import annotations
 
 import torch
 
-from ...formats import QuantizedTensor, get_format
-from ...formats.blocks import SCALE_SEARCH
+from ...quant import QuantizedTensor, get_format
+from ...quant.blocks import SCALE_SEARCH
 
 
 def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> QuantizedTensor:
@@ -21,7 +21,7 @@ def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> Quanti
 
 
 def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -> QuantizedTensor:
-    """`formats.quantize(x, fmt, search_scale)` for fp32 `x [..., dim]`."""
+    """`quant.quantize(x, fmt, search_scale)` for fp32 `x [..., dim]`."""
     dim = x.shape[-1]
     divisors = list(SCALE_SEARCH[8]) if search_scale else []
     codes, scales, mins = extension.quantize_rows(

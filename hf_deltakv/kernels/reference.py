@@ -1,15 +1,15 @@
 """PyTorch reference implementations: the specification of every op a kernel may replace.
 
 Each function here is what a C++ or Triton kernel of the same name must compute (tests compare the two on odd
-shapes). Ops take plain tensors and the stream descriptions of `ops.layout`, never codec objects.
+shapes). Ops take plain tensors and the stream descriptions of `kernels.layout`, never codec objects.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..formats import QuantizedTensor, dequantize, get_format, quantize, unpack_4bit
-from ..formats.bitplanes import unpack_planes
+from ..quant import QuantizedTensor, dequantize, get_format, quantize, unpack_4bit
+from ..quant.bitplanes import unpack_planes
 from ..rope import apply_rope
 from .hadamard import rotate
 from .layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, StreamLayout
@@ -333,9 +333,9 @@ def stream_attention(
 
 def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes `uint8 [..., code bytes]` and fp16 scales `[..., kept groups]` of a latent
-    `[..., len(bits) * GROUP]`, each group of `GROUP` components at its depth (`formats.bitpack`; 0 = dropped): the
+    `[..., len(bits) * GROUP]`, each group of `GROUP` components at its depth (`quant.bitpack`; 0 = dropped): the
     residual cache's encoding, the inverse of `dequantize_latent`."""
-    from ..formats.bitpack import GROUP, pack_bits, quantize_group
+    from ..quant.bitpack import GROUP, pack_bits, quantize_group
 
     groups = latent.reshape(*latent.shape[:-1], latent.shape[-1] // GROUP, GROUP)
     packed, scales = [], []
@@ -358,7 +358,7 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
     Returns:
         fp32 `[..., len(bits) * GROUP]`.
     """
-    from ..formats.bitpack import GROUP, dequantize_group, unpack_bits
+    from ..quant.bitpack import GROUP, dequantize_group, unpack_bits
 
     lead = packed.shape[:-1]
     latent = torch.zeros(*lead, len(bits), GROUP, device=packed.device)

@@ -1,5 +1,5 @@
 // Decode attention straight from packed codec storage on the CPU (one fused pass, no full-precision history).
-// Specification: hf_deltakv.ops.reference.stream_attention (chunked reconstruction + online softmax).
+// Specification: hf_deltakv.kernels.reference.stream_attention (chunked reconstruction + online softmax).
 //
 // Work items are (batch, kv head, token range); token ranges start on keyframes, so each item runs the delta
 // codec's closed loop on its own. Per tile of tokens: reconstruct keys (keyframe + deltas or plain blocks), undo the
@@ -27,7 +27,7 @@ using hfd::exp_nonpositive;
 using hfd::NEG_INF;
 
 #if !defined(HFD_KIND_F16) || !defined(HFD_STREAM_PLAIN)
-#error "build through hf_deltakv.ops.cpu: the format and stream ids come from hf_deltakv.ops.layout.constants()"
+#error "build through hf_deltakv.kernels.cpu: the format and stream ids come from hf_deltakv.kernels.layout.constants()"
 #endif
 enum Format : int64_t {
   F16 = HFD_KIND_F16,
@@ -49,7 +49,7 @@ struct BitTable {
 const BitTable BIT_TABLE;
 
 
-// Packed rows of one block format (a `formats.QuantizedTensor`): row r of a [B, H, N, ...] tensor is
+// Packed rows of one block format (a `quant.QuantizedTensor`): row r of a [B, H, N, ...] tensor is
 // (b * H + h) * N + i.
 struct Blocks {
   torch::Tensor codes_t, scales_t, mins_t;  // contiguous copies when needed: the pointers below stay valid
@@ -136,7 +136,7 @@ struct Blocks {
     return s;
   }
 
-  // q3_0 (blocks of 32, formats/packing.py: pack_3bit): code 8i + j has its low 2 bits at bits 2i of byte j and its
+  // q3_0 (blocks of 32, quant/packing.py: pack_3bit): code 8i + j has its low 2 bits at bits 2i of byte j and its
   // high bit at bit j of byte 8 + i; decoded as (code - 4) * scale.
   const at::Half* q3(const uint8_t* c, const at::Half* s, float* out) const {
     for (int64_t b = 0; b < n_blocks; ++b) {
@@ -206,7 +206,7 @@ struct MeanCache {
   }
 };
 
-// One stream (keys or values), read from an `ops.layout` description by field name: plain blocks, or keyframes
+// One stream (keys or values), read from a `kernels.layout` description by field name: plain blocks, or keyframes
 // + closed-loop deltas; optionally Hadamard-rotated.
 struct Stream {
   bool delta = false, intra = false;
@@ -217,7 +217,7 @@ struct Stream {
   int64_t snapshot_rows = 0;
   std::vector<int64_t> snapshot_points;
   int64_t snapshot_last = 0, snapshot_interval = 1;
-  // Tokens coded a group at a time per channel, then a raw fp16 tail: adaptive per-channel groups (ops/layout.py:
+  // Tokens coded a group at a time per channel, then a raw fp16 tail: adaptive per-channel groups (kernels/layout.py:
   // AdaptiveStream: bit planes, packed depths, low, step) or KIVI-style channel blocks (ChannelStream: one block of
   // `group` tokens per channel in a block format).
   bool adaptive = false, channel = false, keyframe_reference = false;
@@ -295,7 +295,7 @@ struct Stream {
     snapshot_interval = schedule.attr("interval").cast<int64_t>();
   }
 
-  // Mean snapshots that exist once the stream holds t tokens (ops/layout.py: SnapshotSchedule.count).
+  // Mean snapshots that exist once the stream holds t tokens (kernels/layout.py: SnapshotSchedule.count).
   int64_t snapshots(int64_t t) const {
     if (t < snapshot_last) {
       int64_t n = 0;
@@ -401,7 +401,7 @@ struct Stream {
     const at::Half* gs = step + g * dim;
     int64_t plane = 0;
     for (int64_t c = 0; c < dim; ++c) {
-      // formats.pack_4bit: byte i holds channel i (low nibble) and channel i + dim/2 (high nibble)
+      // quant.pack_4bit: byte i holds channel i (low nibble) and channel i + dim/2 (high nibble)
       const uint8_t packed = gd[c < dim / 2 ? c : c - dim / 2];
       const int bits = c < dim / 2 ? (packed & 0x0F) : (packed >> 4);
       const float s = static_cast<float>(gs[c]), lo = static_cast<float>(gl[c]);

@@ -27,7 +27,7 @@ std::tuple<torch::Tensor, int64_t> sparse_matvec(torch::Tensor x, torch::Tensor 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_matvec", &sparse_matvec, "decode linear reading only kept input rows (weight skip)");
-  m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (formats/bitplanes.py)");
+  m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (quant/bitplanes.py)");
   m.def("decode_planes", &decode_planes, "decoded values of whole adaptive groups (reference.decode_adaptive)");
   m.def("dequantize_latent", &dequantize_latent, "the residual cache's packed latent groups to fp32 or bf16");
   m.def("vector_latent_decode", &vector_latent_decode, "switch the vector latent decoder (tests); previous setting");

@@ -72,7 +72,7 @@ FORMATS: dict[str, BlockFormat] = {
     "q3_0": BlockFormat("q3_0", Kind.Q3_SYM, bits=3, block_size=32, scale_bytes=2, bytes_per_block=14),
 }
 
-# Symmetric formats whose encoder may search each block's scale (`formats.quantize`, `search_scale=True`).
+# Symmetric formats whose encoder may search each block's scale (`quant.quantize`, `search_scale=True`).
 SEARCHABLE_KINDS = (Kind.Q4_SYM, Kind.Q3_SYM)
 
 

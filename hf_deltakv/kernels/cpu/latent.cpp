@@ -1,4 +1,4 @@
-// The residual cache's packed latents on the CPU: encoded (specification: hf_deltakv.ops.reference.quantize_latent),
+// The residual cache's packed latents on the CPU: encoded (specification: hf_deltakv.kernels.reference.quantize_latent),
 // decoded to fp32 (reference.dequantize_latent), and attended without decoding the values (reference.latent_attention).
 // Each group of HFD_LATENT_GROUP codes is a little-endian bit stream at its depth b (a code spans at most two bytes),
 // offset by 2**(b-1) - 1 and multiplied by the group's fp16 scale; groups of depth 0 hold no bytes and decode as
@@ -17,7 +17,7 @@
 #include "softmax.h"
 
 #if !defined(HFD_LATENT_GROUP)
-#error "build through hf_deltakv.ops.cpu: the group size comes from hf_deltakv.ops.layout.constants()"
+#error "build through hf_deltakv.kernels.cpu: the group size comes from hf_deltakv.kernels.layout.constants()"
 #endif
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && HFD_LATENT_GROUP == 32
@@ -231,7 +231,7 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 // The residual cache's encoding of finite fp32 latents [rows, len(bits) * GROUP] (specification:
-// hf_deltakv.ops.reference.quantize_latent): per group of depth b > 0 an fp16 scale absmax / qmax (qmax = 2**(b-1) - 1,
+// hf_deltakv.kernels.reference.quantize_latent): per group of depth b > 0 an fp16 scale absmax / qmax (qmax = 2**(b-1) - 1,
 // saturated to the fp16 range), codes round-half-even(x / scale) in [-qmax, qmax] offset by qmax, packed
 // little-endian at b bits. IEEE single precision in the reference's order (x times the reciprocal of the scale).
 std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int64_t> bits) {
@@ -282,7 +282,7 @@ std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int
 #pragma GCC pop_options
 
 // Softmax statistics of queries over a chunk of residual-coded tokens whose values stay latent (specification:
-// hf_deltakv.ops.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 or bf16 before RoPE,
+// hf_deltakv.kernels.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 or bf16 before RoPE,
 // key_mean [H * D] fp32 added to them (or empty); cos, sin
 // channel-major [B, W, c] (W = D, or D / 2 for tied rotate-half tables) or empty; allowed bool [B, H, R, c] or empty;
 // codes uint8 [B, c, bytes] and scales fp16 [B, c, kept] (rows contiguous, any batch and token strides) of the value
