@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ def _check_out_folder(out: Path, files: tuple[str, ...], overwrite: bool) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .compare import DEFAULT_CTX, DEFAULT_WINDOWS
+    from .compare import FULL, QUICK
     from .eval.perplexity import CHUNK, PROTOCOLS
     from .eval.texts import BUILTIN_TEXTS, DEFAULT_TEXT
 
@@ -84,23 +85,34 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     ppl.add_argument("--text", default=DEFAULT_TEXT, help=f"one of {BUILTIN_TEXTS} or a text file path")
     ppl.add_argument(
-        "--ctx", type=_ints, default=DEFAULT_CTX, help="context lengths, comma-separated (default %(default)s)"
+        "--full",
+        action="store_true",
+        help=f"the full comparison: both protocols, {FULL.windows} windows, every default cache with transformers' "
+        "QuantizedCache (~15-25 min on 2 CPU cores); without it, a quick one (one forward per window, "
+        f"{QUICK.windows} windows, our caches beside q8_0, q4_0 and KIVI's layout: ~1 min). The options below "
+        "override either",
     )
+    ppl.add_argument("--ctx", type=_ints, default=None, help=f"context lengths, comma-separated (default {QUICK.ctx})")
     ppl.add_argument(
-        "--windows", type=_at_least(1), default=DEFAULT_WINDOWS, help="windows of ctx tokens per measurement"
+        "--windows",
+        type=_at_least(1),
+        default=None,
+        help=f"windows of ctx tokens per measurement (default {QUICK.windows}; --full: {FULL.windows})",
     )
     ppl.add_argument(
         "--caches",
         default=None,
         help="cache specs separated by ';' or ',' (the first one is the reference), parameters after ':' e.g. "
-        "'delta:kf=64' (default: ours, llama.cpp's formats, and transformers' QuantizedCache with quanto and HQQ "
-        "where installed); the names are listed below",
+        f"'delta:kf=64' (default {','.join(QUICK.caches)} and residual; --full: ours, llama.cpp's formats, and "
+        "transformers' "
+        "QuantizedCache with quanto and HQQ where installed); the names are listed below",
     )
     ppl.add_argument(
         "--protocols",
-        default=",".join(PROTOCOLS),
+        default=None,
         help="one-forward (each window in one pass) and/or chunked (half the window prefilled, the rest fed "
-        "--chunk tokens at a time so scored tokens attend to stored history); default both",
+        f"--chunk tokens at a time so scored tokens attend to stored history); default {QUICK.protocols[0]}, "
+        f"--full: {','.join(PROTOCOLS)}",
     )
     ppl.add_argument("--chunk", type=_at_least(1), default=CHUNK, help="tokens per step of the chunked protocol")
     ppl.add_argument("--out", default="hf-deltakv-out", help="folder for ppl.json and the PNG plots")
@@ -168,13 +180,16 @@ def split_specs(text: str) -> tuple[str, ...]:
     return tuple(specs)
 
 
-def default_caches(model: str | None = None) -> tuple[str, ...]:
-    """Our default comparison (with the residual cache when its built-in compressor fits the model) plus
-    transformers' QuantizedCache anchors whose backend is installed."""
-    from .compare import DEFAULT_CACHES
+def default_caches(model: str | None = None, quick: bool = False) -> tuple[str, ...]:
+    """Our default comparison (with the residual cache when its built-in compressor fits the model) plus, unless
+    `quick`, transformers' QuantizedCache anchors whose backend is installed."""
+    from .compare import FULL, QUICK
     from .models import DEFAULT_MODEL
 
-    ours = (*DEFAULT_CACHES, "residual") if model in (None, DEFAULT_MODEL) else DEFAULT_CACHES
+    base = (QUICK if quick else FULL).caches
+    ours = (*base, "residual") if model in (None, DEFAULT_MODEL) else base
+    if quick:
+        return ours
     anchors = []
     for name in ("hf-quanto", "hf-hqq"):
         if CACHES[name].available():
@@ -243,34 +258,58 @@ def run_train_residual(args: argparse.Namespace) -> int:
 PPL_FILES = ("ppl.json", "delta_vs_bits.png", "delta_vs_ctx.png")
 
 
-def run_ppl(args: argparse.Namespace) -> int:
-    from .compare import compare_caches, markdown_table, write_json
+def ppl_plan(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...], int]:
+    """(caches, protocols, ctx, windows) of a `ppl` command line: the quick preset, or `--full`, with any option
+    given overriding it; mistakes are `UsageError`s, found before any model is loaded."""
+    from .compare import FULL, QUICK
     from .eval.perplexity import PROTOCOLS
-    from .models import load_model
     from .registry import parse_spec
 
+    preset = FULL if args.full else QUICK
     if args.caches is not None and not split_specs(args.caches):
         raise UsageError("--caches is empty; name at least one cache, e.g. --caches fp16,delta")
-    caches = split_specs(args.caches) if args.caches else default_caches(args.model)
+    caches = split_specs(args.caches) if args.caches else default_caches(args.model, quick=not args.full)
     try:
         for spec in caches:
             parse_spec(spec)
     except ValueError as err:
         raise UsageError(f"--caches: {err}") from None
-    protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+    protocols = preset.protocols
+    if args.protocols is not None:
+        protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if not protocols or unknown:
         raise UsageError(f"--protocols must name some of {PROTOCOLS}, got {args.protocols!r}")
-    if any(n < 2 for n in args.ctx):
-        raise UsageError(f"--ctx lengths must be at least 2 tokens, got {','.join(map(str, args.ctx))}")
+    ctx = preset.ctx if args.ctx is None else args.ctx
+    windows = preset.windows if args.windows is None else args.windows
+    if any(n < 2 for n in ctx):
+        raise UsageError(f"--ctx lengths must be at least 2 tokens, got {','.join(map(str, ctx))}")
+    return caches, protocols, ctx, windows
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    from .compare import compare_caches, estimated_seconds, markdown_table, write_json
+    from .kernels import prebuilt_only
+    from .models import load_model
+
+    caches, protocols, ctx, windows = ppl_plan(args)
     _check_text(args.text)
     out = Path(args.out)
     _check_out_folder(out, PPL_FILES, args.overwrite)
+    minutes = estimated_seconds(caches, protocols, ctx, windows) / 60
+    kind = "full" if args.full else "quick (--full for both protocols and every cache)"
+    print(f"hf-deltakv ppl: {kind} comparison of {len(caches)} caches, {', '.join(protocols)}, {windows} window(s) "
+          f"of {','.join(map(str, ctx))} tokens: ~{max(minutes, 0.5):.1f} min on 2 CPU cores for SmolLM2-135M "
+          "after the model loads", file=sys.stderr, flush=True)  # fmt: skip
     model, tokenizer = load_model(args.model)
+    # One forward per window never decodes: the compiled kernels compute the same bytes, so a run of that protocol
+    # alone does not wait for their build (a decoding run builds them, with a progress bar).
+    scope = prebuilt_only() if protocols == ("one-forward",) else contextlib.nullcontext()
     try:
-        result = compare_caches(
-            model, tokenizer, args.text, caches, args.ctx, args.windows, not args.no_progress, protocols, args.chunk
-        )
+        with scope:
+            result = compare_caches(
+                model, tokenizer, args.text, caches, ctx, windows, not args.no_progress, protocols, args.chunk
+            )
     except ValueError as err:  # a cache's parameters, a text too short for the windows
         raise UsageError(str(err)) from None
     print(markdown_table(result))

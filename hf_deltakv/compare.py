@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +18,36 @@ from .registry import build_cache
 DEFAULT_CACHES = ("fp16", "q8_0", "q4_0", "q4_1", "q4_0-rot", "kivi", "kivi-pre-rope", "delta")
 DEFAULT_CTX = (1024,)
 DEFAULT_WINDOWS = 4
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What `hf-deltakv ppl` measures when not told otherwise: caches (`cli.default_caches` adds the residual cache
+    for the default model, and transformers' own QuantizedCache where installed to the full comparison), protocols,
+    context lengths and windows per length."""
+
+    caches: tuple[str, ...]
+    protocols: tuple[str, ...]
+    ctx: tuple[int, ...]
+    windows: int
+
+
+# The first command a newcomer runs: one forward per window on two windows, our caches (with the learned residual
+# cache where its built-in compressor fits the model: `cli.default_caches`) beside llama.cpp's q8_0 and q4_0 and the
+# KIVI-style layout; ~1 min on 2 CPU cores.
+QUICK = Preset(("fp16", "q8_0", "q4_0", "kivi-pre-rope", "delta"), ("one-forward",), DEFAULT_CTX, 2)
+# `--full`: both protocols, every default cache (transformers' QuantizedCache needs the chunked one to show its loss).
+FULL = Preset(DEFAULT_CACHES, PROTOCOLS, DEFAULT_CTX, DEFAULT_WINDOWS)
+# Seconds per window of 1024 tokens on 2 CPU cores (SmolLM2-135M, measured by the CLI's runs here): the estimate
+# printed before a comparison starts.
+SECONDS_PER_WINDOW = {"one-forward": 5.0, "chunked": 18.0}
+
+
+def estimated_seconds(caches: tuple[str, ...], protocols: tuple[str, ...], ctx: tuple[int, ...], windows: int) -> float:
+    """A rough duration of `compare_caches` on 2 CPU cores for the default model (time grows with the window's
+    length; larger models take longer)."""
+    per_cache = sum(SECONDS_PER_WINDOW[p] * n / 1024 * windows for p in protocols for n in ctx)
+    return per_cache * len(caches)
 
 
 def compare_caches(

@@ -78,6 +78,26 @@ def test_a_prebuilt_kernel_loads_from_a_folder_it_cannot_write(tmp_path):
     assert "loaded" in done.stdout and "building" not in done.stderr
 
 
+def test_prebuilt_never_builds_and_runs_the_reference_without_a_build(tmp_path):
+    """`HF_DELTAKV_KERNELS=prebuilt` (what the quick `hf-deltakv ppl` sets): no build where none exists, the
+    reference serves, and a build that exists is used."""
+    code = (
+        "import torch\nfrom hf_deltakv import kernels\n"
+        "print('compiled' if kernels._cpu_extension(torch.device('cpu')) is not None else 'reference')"
+    )
+    env = {**os.environ, "HF_DELTAKV_KERNELS": "prebuilt", "HF_DELTAKV_CACHE": str(tmp_path)}
+    env.pop("HF_DELTAKV_KERNEL_DIR", None)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "reference" and "building" not in done.stderr
+    assert time.monotonic() - started < 60 and not (tmp_path / "kernels").exists()
+    assert cpu.extension() is not None  # this process's build (the default user cache) is found as prebuilt
+    env["HF_DELTAKV_CACHE"] = os.environ.get("HF_DELTAKV_CACHE", os.path.expanduser("~/.cache/hf_deltakv"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "compiled", done.stderr[-2000:]
+
+
 def test_kernel_switch_is_checked(monkeypatch):
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "garbage")
     with pytest.raises(ValueError, match="HF_DELTAKV_KERNELS must be one of"):
@@ -86,6 +106,8 @@ def test_kernel_switch_is_checked(monkeypatch):
     assert kernels.forced_reference()
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "auto")
     assert not kernels.forced_reference()
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "prebuilt")
+    assert kernels.kernel_choice() == "prebuilt" and not kernels.forced_reference()
 
 
 def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):

@@ -52,7 +52,7 @@ def test_split_specs_keeps_parameters_with_their_cache():
 
 @pytest.mark.real_model
 def test_cli_ppl_end_to_end(real_model, tmp_path, capsys):
-    args = ["ppl", "--ctx", "128", "--windows", "1", "--caches", "fp16,q4_0,delta", "--out", str(tmp_path)]
+    args = ["ppl", "--full", "--ctx", "128", "--windows", "1", "--caches", "fp16,q4_0,delta", "--out", str(tmp_path)]
     assert main([*args, "--no-progress"]) == 0
     table = capsys.readouterr().out
     assert "| delta | one-forward | 128 |" in table and "| delta | chunked | 128 |" in table
@@ -64,3 +64,33 @@ def test_cli_ppl_end_to_end(real_model, tmp_path, capsys):
     rows = {row["cache"]: row for row in result["rows"] if row["protocol"] == "one-forward"}
     assert rows["q4_0"]["bits_per_element"] == pytest.approx(4.5)
     assert rows["fp16"]["bits_per_element"] == pytest.approx(16.0)
+
+
+def test_ppl_runs_a_quick_comparison_unless_told_full():
+    """`hf-deltakv ppl` alone: one forward per window on 2 windows, our caches beside q8_0, q4_0 and KIVI's layout;
+    `--full`: both protocols, 4 windows, every default cache and transformers' anchors; any option overrides."""
+    from hf_deltakv.cli import build_parser, ppl_plan
+    from hf_deltakv.compare import DEFAULT_CACHES
+
+    parse = build_parser().parse_args
+    caches, protocols, ctx, windows = ppl_plan(parse(["ppl"]))
+    assert caches == ("fp16", "q8_0", "q4_0", "kivi-pre-rope", "delta", "residual")
+    assert (protocols, ctx, windows) == (("one-forward",), (1024,), 2)
+    caches, protocols, ctx, windows = ppl_plan(parse(["ppl", "--full"]))
+    assert caches[: len(DEFAULT_CACHES) + 1] == (*DEFAULT_CACHES, "residual")
+    assert (protocols, ctx, windows) == (("one-forward", "chunked"), (1024,), 4)
+    caches, protocols, ctx, windows = ppl_plan(parse(["ppl", "--model", "gemma3-270m", "--windows", "3"]))
+    assert "residual" not in caches and windows == 3
+    assert ppl_plan(parse(["ppl", "--full", "--protocols", "chunked"]))[1] == ("chunked",)
+
+
+def test_prebuilt_only_is_scoped(monkeypatch):
+    from hf_deltakv import kernels
+
+    monkeypatch.delenv("HF_DELTAKV_KERNELS", raising=False)
+    with kernels.prebuilt_only():
+        assert kernels.kernel_choice() == "prebuilt"
+    assert kernels.kernel_choice() == "auto"
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+    with kernels.prebuilt_only():
+        assert kernels.kernel_choice() == "reference"

@@ -3,11 +3,13 @@
 This is the one dispatch point. On the CPU, ops with a compiled kernel use it (`cpu/`, built on first use); on
 CUDA (NVIDIA, and AMD through ROCm builds of PyTorch, which also report `cuda` devices) Triton kernels run when
 Triton is installed; everything else runs the reference (`reference.py`). `HF_DELTAKV_KERNELS=reference` forces the
-reference everywhere. Ops take plain tensors and the stream descriptions of `layout.py`, never codec objects.
+reference everywhere (`KERNEL_CHOICES`). Ops take plain tensors and the stream descriptions of `layout.py`, never
+codec objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -58,15 +60,38 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-KERNEL_CHOICES = ("auto", "reference")  # values of HF_DELTAKV_KERNELS ("auto", the default: kernels where they run)
+# Values of HF_DELTAKV_KERNELS: "auto" (the default) runs kernels where they run, building the CPU ones on first use;
+# "prebuilt" uses the CPU kernels only if they are already built (never waits for a build); "reference" runs the
+# PyTorch references everywhere.
+KERNEL_CHOICES = ("auto", "prebuilt", "reference")
 
 
-def forced_reference() -> bool:
-    """`HF_DELTAKV_KERNELS=reference`: every op runs its PyTorch reference; any value but those allowed is refused."""
+def kernel_choice() -> str:
+    """`HF_DELTAKV_KERNELS` (see `KERNEL_CHOICES`; "auto" inside `prebuilt_only()` reads "prebuilt"); any value but
+    those allowed is refused."""
     choice = os.environ.get("HF_DELTAKV_KERNELS", "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"HF_DELTAKV_KERNELS must be one of {KERNEL_CHOICES}, got {choice!r}")
-    return choice == "reference"
+    return "prebuilt" if choice == "auto" and _PREBUILT_ONLY else choice
+
+
+_PREBUILT_ONLY: list[bool] = []  # a stack of `prebuilt_only()` scopes
+
+
+@contextlib.contextmanager
+def prebuilt_only():
+    """Within: the CPU kernels are used if already built, never built (for work whose results do not depend on them,
+    such as one forward per window; an explicit `HF_DELTAKV_KERNELS` still rules)."""
+    _PREBUILT_ONLY.append(True)
+    try:
+        yield
+    finally:
+        _PREBUILT_ONLY.pop()
+
+
+def forced_reference() -> bool:
+    """`HF_DELTAKV_KERNELS=reference`: every op runs its PyTorch reference."""
+    return kernel_choice() == "reference"
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -76,11 +101,12 @@ def use_triton(device: torch.device | str) -> bool:
 
 def _cpu_extension(device: torch.device):
     """The compiled CPU kernels when `device` is the CPU and they are built (or can be), else None."""
-    if device.type != "cpu" or forced_reference():
+    choice = kernel_choice()
+    if device.type != "cpu" or choice == "reference":
         return None
-    from .cpu import extension
+    from .cpu import extension, prebuilt
 
-    return extension()
+    return prebuilt() if choice == "prebuilt" else extension()
 
 
 ENCODED_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # what cpu/encode.cpp and triton/quantize.py code

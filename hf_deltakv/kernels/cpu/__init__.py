@@ -125,16 +125,66 @@ def _build(cflags: list[str], ldflags: list[str]):
 
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "lock").unlink(missing_ok=True)  # torch's lock, left behind by a killed build: nobody holds it
-        print(f"hf_deltakv: building the CPU kernels for this machine (first use only, ~1 min) in {folder}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return load(
-            name=NAME,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            build_directory=str(folder),
-            verbose=False,
-        )
+        estimate = _last_build_seconds(root)
+        print(f"hf_deltakv: building the CPU kernels for this machine (first use only, ~{estimate:.0f} s) in "
+              f"{folder}", file=sys.stderr, flush=True)  # fmt: skip
+        started = time.monotonic()
+        with _build_progress(folder, estimate):
+            module = load(
+                name=NAME,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(folder),
+                verbose=False,
+            )
+        with contextlib.suppress(OSError):
+            (root / BUILD_SECONDS_FILE).write_text(f"{time.monotonic() - started:.1f}\n")
+        return module
+
+
+BUILD_SECONDS_FILE = "last_build_seconds"  # how long the last build took here: the next estimate
+BUILD_ESTIMATE_S = 60.0  # estimate before any build was timed on this machine (2 cores: ~50 s)
+
+
+def _last_build_seconds(root: Path) -> float:
+    try:
+        return max(float((root / BUILD_SECONDS_FILE).read_text()), 1.0)
+    except (OSError, ValueError):
+        return BUILD_ESTIMATE_S
+
+
+@contextlib.contextmanager
+def _build_progress(folder: Path, estimate: float):
+    """A progress bar on stderr while the compiler runs (objects compiled so far, time left by `estimate`), so a
+    build that takes a minute does not look like a hang."""
+    import threading
+
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        yield
+        return
+    done = threading.Event()
+    bar = tqdm(total=round(estimate), desc="building CPU kernels", unit="s", file=sys.stderr,
+               bar_format="{desc}: {bar} {n_fmt}/~{total_fmt} s, ~{remaining} left{postfix}")  # fmt: skip
+
+    def tick() -> None:
+        started = time.monotonic()
+        while not done.wait(1.0):
+            objects = len(list(folder.glob("*.o")))
+            bar.n = min(round(time.monotonic() - started), bar.total - 1)
+            bar.set_postfix_str(f"{objects}/{len(SOURCES)} sources compiled", refresh=True)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.n = bar.total
+        bar.close()
 
 
 def _writable(root: Path) -> bool:
@@ -143,6 +193,19 @@ def _writable(root: Path) -> bool:
     except OSError:
         return False
     return os.access(root, os.W_OK)
+
+
+@functools.cache
+def prebuilt():
+    """The compiled module if a build for this machine already exists (never builds; looked up once), else None."""
+    for cflags, ldflags in _flag_sets():
+        key = build_key(cflags, ldflags)
+        for root in kernel_dirs():
+            with contextlib.suppress(Exception):
+                module = _import_built(root / key)
+                if module is not None:
+                    return module
+    return None
 
 
 @functools.cache

@@ -3,7 +3,12 @@
 // hf_deltakv.kernels.reference.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
 // arithmetic in the reference's order, with no fused multiply-adds.
 #pragma GCC optimize("fp-contract=off")
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -98,12 +103,12 @@ void dequantize_block(const uint8_t* codes, float scale, float min, int64_t bs, 
   }
 }
 
-std::vector<torch::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64_t format, const torch::Tensor& like) {
+std::vector<at::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64_t format, const at::Tensor& like) {
   const int64_t n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
-  auto codes = torch::empty({rows, n_blocks, bytes}, like.options().dtype(torch::kUInt8));
-  auto scales = torch::empty({rows, n_blocks}, like.options().dtype(torch::kFloat16));
-  auto mins = format == Q4_ASYM ? torch::empty({rows, n_blocks}, like.options().dtype(torch::kFloat16))
-                                : torch::empty({0}, like.options().dtype(torch::kFloat16));
+  auto codes = at::empty({rows, n_blocks, bytes}, like.options().dtype(at::kByte));
+  auto scales = at::empty({rows, n_blocks}, like.options().dtype(at::kHalf));
+  auto mins = format == Q4_ASYM ? at::empty({rows, n_blocks}, like.options().dtype(at::kHalf))
+                                : at::empty({0}, like.options().dtype(at::kHalf));
   return {codes, scales, mins};
 }
 
@@ -140,7 +145,7 @@ void quantize_block_searched(const float* x, int64_t bs, const std::vector<doubl
 
 // x: fp32 [rows, dim] contiguous. Returns {codes [rows, blocks, bytes], scales [rows, blocks], mins or empty}. With
 // `divisors` (q4_0 family only), each block's scale is searched (quantize_block_searched).
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors) {
+std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors) {
   const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
   auto out = allocate(rows, dim, bs, format, x);
   const float* px = x.data_ptr<float>();
@@ -162,11 +167,11 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_
 
 // One closed-loop step for rows of x (fp32 [rows, dim]): code x - base, and with `intra` per block the better of that
 // and x - long_term (flag in the scale's lowest bit). Returns {codes, scales, mins or empty, reconstruction}.
-std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, torch::Tensor long_term, int64_t format,
+std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra) {
   const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
   auto out = allocate(rows, dim, bs, format, x);
-  auto recon = torch::empty_like(x);
+  auto recon = at::empty_like(x);
   const float *px = x.data_ptr<float>(), *pb = base.data_ptr<float>();
   const float* pl = intra ? long_term.data_ptr<float>() : nullptr;
   uint8_t* pc = out[0].data_ptr<uint8_t>();
@@ -225,10 +230,10 @@ std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, 
 
 // Bit planes of per-channel codes (quant/bitplanes.py: pack_planes). codes uint8 [N, G, D] (G a multiple of 8),
 // depths uint8 [N, D] (each group's depths sum to `planes`). Returns uint8 [N, planes, G / 8].
-torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t planes) {
+at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes) {
   codes = codes.contiguous(), depths = depths.contiguous();
   const int64_t n = codes.size(0), group = codes.size(1), dim = codes.size(2), width = group / 8;
-  auto out = torch::zeros({n, planes, width}, codes.options());
+  auto out = at::zeros({n, planes, width}, codes.options());
   const uint8_t* pc = codes.data_ptr<uint8_t>();
   const uint8_t* pd = depths.data_ptr<uint8_t>();
   uint8_t* po = out.data_ptr<uint8_t>();
@@ -252,11 +257,11 @@ torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t pla
 
 // Decoded values of whole adaptive groups (kernels/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed
 // depths uint8 [N, D / 2] (quant.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D].
-torch::Tensor decode_planes(torch::Tensor planes, torch::Tensor depths, torch::Tensor low, torch::Tensor step) {
+at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step) {
   planes = planes.contiguous(), depths = depths.contiguous(), low = low.contiguous(), step = step.contiguous();
   const int64_t n = planes.size(0), count = planes.size(1), width = planes.size(2), group = width * 8;
   const int64_t dim = low.size(1);
-  auto out = torch::empty({n, group, dim}, low.options().dtype(torch::kFloat32));
+  auto out = at::empty({n, group, dim}, low.options().dtype(at::kFloat));
   const uint8_t* pp = planes.data_ptr<uint8_t>();
   const uint8_t* pd = depths.data_ptr<uint8_t>();
   const at::Half* pl = low.data_ptr<at::Half>();

@@ -3,7 +3,12 @@
 // Each group of HFD_LATENT_GROUP codes is a little-endian bit stream at its depth b (a code spans at most two bytes),
 // offset by 2**(b-1) - 1 and multiplied by the group's fp16 scale; groups of depth 0 hold no bytes and decode as
 // zeros. One multiply per code, as the reference computes it, so the values are identical.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -193,11 +198,11 @@ bool vector_latent_decode(bool enabled) {
 
 // `out`: fp32 or bf16 [rows, len(bits) * GROUP] with contiguous rows (e.g. the first rows of a larger buffer, so that
 // a matrix product after it keeps its shape from step to step), or empty: a new fp32 tensor.
-torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std::vector<int64_t> bits, torch::Tensor out) {
+at::Tensor dequantize_latent(at::Tensor packed, at::Tensor scales, std::vector<int64_t> bits, at::Tensor out) {
   constexpr int64_t GROUP = HFD_LATENT_GROUP;
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.stride(1) == 1,
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.stride(1) == 1,
               "packed: uint8 [rows, bytes] with contiguous rows");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kHalf && scales.stride(1) == 1,
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.stride(1) == 1,
               "scales: fp16 [rows, kept groups] with contiguous rows");
   const LatentSizes sizes = latent_sizes(bits);
   const int64_t code_bytes = sizes.code_bytes, kept = sizes.kept;  // plain names: lambdas capture them
@@ -205,10 +210,10 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
   TORCH_CHECK(packed.size(1) == code_bytes && scales.size(0) == rows && scales.size(1) == kept,
               "packed bytes or scales do not match the bit depths");
   const int64_t width = static_cast<int64_t>(bits.size()) * GROUP;
-  if (out.numel() == 0) out = torch::empty({rows, width}, scales.options().dtype(torch::kFloat32));
+  if (out.numel() == 0) out = at::empty({rows, width}, scales.options().dtype(at::kFloat));
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == width && out.stride(1) == 1,
               "out must be [rows, latent width] with contiguous rows");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16, "out: fp32 or bf16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out: fp32 or bf16");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const at::Half* ps = scales.data_ptr<at::Half>();
   const int64_t packed_stride = packed.stride(0), scale_stride = scales.stride(0), out_stride = out.stride(0);
@@ -219,7 +224,7 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
       }
     });
   };
-  if (out.scalar_type() == torch::kBFloat16) {
+  if (out.scalar_type() == at::kBFloat16) {
     decode(out.data_ptr<at::BFloat16>());
   } else {
     decode(out.data_ptr<float>());
@@ -234,16 +239,16 @@ torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std:
 // hf_deltakv.kernels.reference.quantize_latent): per group of depth b > 0 an fp16 scale absmax / qmax (qmax = 2**(b-1) - 1,
 // saturated to the fp16 range), codes round-half-even(x / scale) in [-qmax, qmax] offset by qmax, packed
 // little-endian at b bits. IEEE single precision in the reference's order (x times the reciprocal of the scale).
-std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int64_t> bits) {
+std::vector<at::Tensor> quantize_latent(at::Tensor latent, std::vector<int64_t> bits) {
   constexpr int64_t GROUP = HFD_LATENT_GROUP;
   latent = latent.contiguous();
-  TORCH_CHECK(latent.dim() == 2 && latent.scalar_type() == torch::kFloat32, "latent: fp32 [rows, components]");
+  TORCH_CHECK(latent.dim() == 2 && latent.scalar_type() == at::kFloat, "latent: fp32 [rows, components]");
   TORCH_CHECK(latent.size(1) == static_cast<int64_t>(bits.size()) * GROUP, "latent width does not match the depths");
   const LatentSizes sizes = latent_sizes(bits);
   const int64_t code_bytes = sizes.code_bytes, kept = sizes.kept;  // plain names: lambdas capture them
   const int64_t rows = latent.size(0), width = latent.size(1);
-  auto packed = torch::zeros({rows, code_bytes}, latent.options().dtype(torch::kUInt8));
-  auto scales = torch::empty({rows, kept}, latent.options().dtype(torch::kHalf));
+  auto packed = at::zeros({rows, code_bytes}, latent.options().dtype(at::kByte));
+  auto scales = at::empty({rows, kept}, latent.options().dtype(at::kHalf));
   const float* px = latent.data_ptr<float>();
   uint8_t* pp = packed.data_ptr<uint8_t>();
   at::Half* ps = scales.data_ptr<at::Half>();
@@ -288,13 +293,13 @@ std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int
 // codes uint8 [B, c, bytes] and scales fp16 [B, c, kept] (rows contiguous, any batch and token strides) of the value
 // latents at depths `bits` (depth 0: a group of zeros). Returns max, weight [B, H, R] and acc [B, H, R, L]. Work is
 // split over batch and token ranges (each decodes a token's latent once for every head), their statistics merged.
-std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor keys, torch::Tensor key_mean,
-                                            torch::Tensor cos, torch::Tensor sin, torch::Tensor allowed,
-                                            torch::Tensor codes, torch::Tensor scales, std::vector<int64_t> bits,
+std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::Tensor key_mean,
+                                            at::Tensor cos, at::Tensor sin, at::Tensor allowed,
+                                            at::Tensor codes, at::Tensor scales, std::vector<int64_t> bits,
                                             double scale) {
   rows = rows.contiguous(), keys = keys.contiguous();
-  TORCH_CHECK(rows.scalar_type() == torch::kFloat32, "rows must be fp32");
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 || keys.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(rows.scalar_type() == at::kFloat, "rows must be fp32");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
               "keys must be fp32 or bf16");
   const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3), C = keys.size(1);
   const int64_t L = static_cast<int64_t>(bits.size()) * HFD_LATENT_GROUP, HR = H * R;
@@ -302,9 +307,9 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
   const bool centered = key_mean.numel() > 0;
   if (centered) {
     key_mean = key_mean.contiguous();
-    TORCH_CHECK(key_mean.scalar_type() == torch::kFloat32 && key_mean.numel() == H * D, "key_mean: fp32 [heads * dim]");
+    TORCH_CHECK(key_mean.scalar_type() == at::kFloat && key_mean.numel() == H * D, "key_mean: fp32 [heads * dim]");
   }
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.stride(2) == 1 && scales.stride(2) == 1,
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.stride(2) == 1 && scales.stride(2) == 1,
               "codes and scales need contiguous rows");
   const LatentSizes sizes = latent_sizes(bits);
   const int64_t code_bytes = sizes.code_bytes, kept = sizes.kept;  // plain names: lambdas capture them
@@ -318,15 +323,15 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
     TORCH_CHECK(cos.size(1) == D || cos.size(1) * 2 == D, "RoPE tables of another head dimension");
   }
   const bool masked = allowed.numel() > 0;
-  if (masked) allowed = allowed.to(torch::kBool).contiguous();
+  if (masked) allowed = allowed.to(at::kBool).contiguous();
   const int64_t half = D / 2, second = rope && cos.size(1) == D ? half : 0;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((C + 255) / 256, 2 * at::get_num_threads()));
   const int64_t span = (C + splits - 1) / splits;
-  auto part_max = torch::full({B, splits, HR}, NEG_INF, rows.options());
-  auto part_weight = torch::zeros({B, splits, HR}, rows.options());
-  auto part_acc = torch::zeros({B, splits, HR, L}, rows.options());
+  auto part_max = at::full({B, splits, HR}, NEG_INF, rows.options());
+  auto part_weight = at::zeros({B, splits, HR}, rows.options());
+  auto part_acc = at::zeros({B, splits, HR, L}, rows.options());
   const float* pq = rows.data_ptr<float>();
-  const bool bf16_keys = keys.scalar_type() == torch::kBFloat16;
+  const bool bf16_keys = keys.scalar_type() == at::kBFloat16;
   const float* pk32 = bf16_keys ? nullptr : keys.data_ptr<float>();
   const at::BFloat16* pk16 = bf16_keys ? keys.data_ptr<at::BFloat16>() : nullptr;
   const float* pmean = centered ? key_mean.data_ptr<float>() : nullptr;
@@ -427,9 +432,9 @@ std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor ke
     }
   });
   // Merge the token ranges: each scaled by exp(its max - the overall max).
-  auto maximum = torch::empty({B, H, R}, rows.options());
-  auto weight = torch::zeros({B, H, R}, rows.options());
-  auto acc = torch::zeros({B, H, R, L}, rows.options());
+  auto maximum = at::empty({B, H, R}, rows.options());
+  auto weight = at::zeros({B, H, R}, rows.options());
+  auto acc = at::zeros({B, H, R, L}, rows.options());
   float* om = maximum.data_ptr<float>();
   float* ow = weight.data_ptr<float>();
   float* oa = acc.data_ptr<float>();

@@ -1,29 +1,35 @@
 // The Python module of the CPU kernels (one extension, several sources).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // py::object and the casters of at::Tensor
 
 #include <vector>
 #include <tuple>
 
-torch::Tensor stream_attention(torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v, py::object key_layout,
-                               py::object value_layout, torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
+at::Tensor stream_attention(at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout,
+                               py::object value_layout, at::Tensor cos, at::Tensor sin, at::Tensor mask,
                                int64_t n_queries, int64_t causal_offset, double scale, int64_t split);
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
-std::vector<torch::Tensor> code_delta_rows(torch::Tensor x, torch::Tensor base, torch::Tensor long_term, int64_t format,
+std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
+std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra);
 
-torch::Tensor pack_planes(torch::Tensor codes, torch::Tensor depths, int64_t planes);
-torch::Tensor decode_planes(torch::Tensor planes, torch::Tensor depths, torch::Tensor low, torch::Tensor step);
+at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes);
+at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step);
 
-torch::Tensor dequantize_latent(torch::Tensor packed, torch::Tensor scales, std::vector<int64_t> bits, torch::Tensor out);
-std::vector<torch::Tensor> quantize_latent(torch::Tensor latent, std::vector<int64_t> bits);
+at::Tensor dequantize_latent(at::Tensor packed, at::Tensor scales, std::vector<int64_t> bits, at::Tensor out);
+std::vector<at::Tensor> quantize_latent(at::Tensor latent, std::vector<int64_t> bits);
 bool vector_latent_decode(bool enabled);
-std::vector<torch::Tensor> latent_attention(torch::Tensor rows, torch::Tensor keys, torch::Tensor key_mean,
-                                            torch::Tensor cos, torch::Tensor sin, torch::Tensor allowed,
-                                            torch::Tensor codes, torch::Tensor scales, std::vector<int64_t> bits,
+std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::Tensor key_mean,
+                                            at::Tensor cos, at::Tensor sin, at::Tensor allowed,
+                                            at::Tensor codes, at::Tensor scales, std::vector<int64_t> bits,
                                             double scale);
 
-std::tuple<torch::Tensor, int64_t> sparse_matvec(torch::Tensor x, torch::Tensor wt, torch::Tensor bias,
-                                                 torch::Tensor scale, double threshold);
+std::tuple<at::Tensor, int64_t> sparse_matvec(at::Tensor x, at::Tensor wt, at::Tensor bias,
+                                                 at::Tensor scale, double threshold);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_matvec", &sparse_matvec, "decode linear reading only kept input rows (weight skip)");

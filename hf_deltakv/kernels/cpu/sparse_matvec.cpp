@@ -4,7 +4,12 @@
 // activations once, lists the kept channels, and streams only their rows, whole and in order: each thread takes a
 // share of the kept rows (long contiguous reads, what the memory prefetchers serve best) and adds ROWS_PER_PASS rows
 // at a time into its own partial sums, which stay in L1/L2; the partial sums are added at the end.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)
@@ -79,18 +84,18 @@ void accumulate(const float* x, int64_t batch, int64_t in, const int64_t* rows, 
 // |x| * scale >= threshold for some sequence (scale: per-channel weights of the score, e.g. the weight's column
 // norms; empty: 1); threshold 0 keeps every channel with a nonzero score (exact). wt [in, out] fp32, bf16 or fp16,
 // contiguous. Returns {y, number of kept channels}.
-std::tuple<torch::Tensor, int64_t> sparse_matvec(torch::Tensor x, torch::Tensor wt, torch::Tensor bias,
-                                                 torch::Tensor scale, double threshold) {
+std::tuple<at::Tensor, int64_t> sparse_matvec(at::Tensor x, at::Tensor wt, at::Tensor bias,
+                                                 at::Tensor scale, double threshold) {
   TORCH_CHECK(wt.dim() == 2 && x.dim() >= 1 && x.size(-1) == wt.size(0), "sparse_matvec: x [..., in], wt [in, out]");
   TORCH_CHECK(wt.is_contiguous(), "sparse_matvec: the weight must be stored input-major and contiguous");
   const auto st = wt.scalar_type();
-  TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kHalf,
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
               "sparse_matvec: fp32, bf16 or fp16 weights");
-  TORCH_CHECK(scale.numel() == 0 || (scale.numel() == wt.size(0) && scale.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(scale.numel() == 0 || (scale.numel() == wt.size(0) && scale.scalar_type() == at::kFloat &&
                                      scale.is_contiguous()),
               "sparse_matvec: scale is empty or fp32 [in]");
   const int64_t in = wt.size(0), out = wt.size(1);
-  auto flat = x.reshape({-1, in}).to(torch::kFloat32).contiguous();
+  auto flat = x.reshape({-1, in}).to(at::kFloat).contiguous();
   const int64_t batch = flat.size(0);
   const float* px = flat.data_ptr<float>();
   const float* ps = scale.numel() ? scale.data_ptr<float>() : nullptr;
@@ -117,9 +122,9 @@ std::tuple<torch::Tensor, int64_t> sparse_matvec(torch::Tensor x, torch::Tensor 
       const int64_t nb = std::min(MAX_BATCH, batch - b0);
       const float* xb = px + b0 * in;
       float* yb = psums + (s * batch + b0) * out;
-      if (st == torch::kFloat32)
+      if (st == at::kFloat)
         accumulate(xb, nb, in, kept.data() + begin, end - begin, wt.data_ptr<float>(), out, yb);
-      else if (st == torch::kBFloat16)
+      else if (st == at::kBFloat16)
         accumulate(xb, nb, in, kept.data() + begin, end - begin, wt.data_ptr<at::BFloat16>(), out, yb);
       else
         accumulate(xb, nb, in, kept.data() + begin, end - begin, wt.data_ptr<at::Half>(), out, yb);
@@ -134,18 +139,18 @@ std::tuple<torch::Tensor, int64_t> sparse_matvec(torch::Tensor x, torch::Tensor 
   for (int64_t s = 1; s < shares; ++s)
     for (int64_t j = 0; j < batch * out; ++j) psums[j] += psums[s * batch * out + j];
   if (bias.numel()) {
-    auto b = bias.to(torch::kFloat32).contiguous();
+    auto b = bias.to(at::kFloat).contiguous();
     const float* pb = b.data_ptr<float>();
     for (int64_t r = 0; r < batch; ++r)
       for (int64_t j = 0; j < out; ++j) psums[r * out + j] += pb[j];
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  auto y = torch::empty(shape, x.options());
-  if (y.scalar_type() == torch::kFloat32) {
+  auto y = at::empty(shape, x.options());
+  if (y.scalar_type() == at::kFloat) {
     std::copy(psums, psums + batch * out, y.data_ptr<float>());
     return {y, count};
   }
-  y.copy_(torch::from_blob(psums, shape, torch::kFloat32));
+  y.copy_(at::from_blob(psums, shape, at::kFloat));
   return {y, count};
 }

@@ -6,7 +6,13 @@
 // Hadamard rotation (fast Walsh-Hadamard transform), re-apply RoPE from a cos/sin table, score every query row that
 // shares the kv head (GQA), fold into an online softmax, and accumulate values still in their rotated basis (the
 // rotation is linear, so it is undone once on the accumulated rows). Items are merged with log-sum-exp at the end.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // py::object and the casters of at::Tensor
 #include <ATen/Parallel.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -52,7 +58,7 @@ const BitTable BIT_TABLE;
 // Packed rows of one block format (a `quant.QuantizedTensor`): row r of a [B, H, N, ...] tensor is
 // (b * H + h) * N + i.
 struct Blocks {
-  torch::Tensor codes_t, scales_t, mins_t;  // contiguous copies when needed: the pointers below stay valid
+  at::Tensor codes_t, scales_t, mins_t;  // contiguous copies when needed: the pointers below stay valid
   const uint8_t* codes = nullptr;
   const at::Half* scales = nullptr;
   const at::Half* mins = nullptr;
@@ -66,16 +72,16 @@ struct Blocks {
     format = fmt.attr("kind").cast<int64_t>();
     block = fmt.attr("block_size").cast<int64_t>();
     n_blocks = dim / block;
-    codes_t = rows_of(q.attr("codes").cast<torch::Tensor>());
+    codes_t = rows_of(q.attr("codes").cast<at::Tensor>());
     codes = reinterpret_cast<const uint8_t*>(codes_t.data_ptr());
     rows_per_head = codes_t.dim() > 2 ? head_rows(codes_t) : 0;
     if (!q.attr("scales").is_none()) {
-      scales_t = rows_of(q.attr("scales").cast<torch::Tensor>());
+      scales_t = rows_of(q.attr("scales").cast<at::Tensor>());
       scales = scales_t.data_ptr<at::Half>();
       TORCH_CHECK(head_rows(scales_t) == rows_per_head, "codes and scales of other layouts");
     }
     if (!q.attr("mins").is_none()) {
-      mins_t = rows_of(q.attr("mins").cast<torch::Tensor>());
+      mins_t = rows_of(q.attr("mins").cast<at::Tensor>());
       mins = mins_t.data_ptr<at::Half>();
       TORCH_CHECK(head_rows(mins_t) == rows_per_head, "codes and mins of other layouts");
     }
@@ -83,7 +89,7 @@ struct Blocks {
 
   // `t` [B, H, rows, ...] as the row loops read it: contiguous, or the leading rows of a contiguous buffer with
   // room for more (appended storage), read in place; anything else is copied.
-  static torch::Tensor rows_of(const torch::Tensor& t) {
+  static at::Tensor rows_of(const at::Tensor& t) {
     if (t.dim() < 3) return t.contiguous();
     int64_t row = 1;  // elements of one row, which must be contiguous
     bool ok = true;
@@ -97,7 +103,7 @@ struct Blocks {
   }
 
   // Rows between one head's first row and the next one's (the buffer's capacity per head).
-  static int64_t head_rows(const torch::Tensor& t) {
+  static int64_t head_rows(const at::Tensor& t) {
     int64_t row = 1;
     for (int64_t d = 3; d < t.dim(); ++d) row *= t.size(d);
     return t.stride(1) / row;
@@ -212,7 +218,7 @@ struct Stream {
   bool delta = false, intra = false;
   int64_t kf = 1, rotation = 0, dim = 0, length = 0;
   Blocks plain, keyframes, deltas;
-  torch::Tensor means_t;
+  at::Tensor means_t;
   const at::Half* means = nullptr;
   int64_t snapshot_rows = 0;
   std::vector<int64_t> snapshot_points;
@@ -223,7 +229,7 @@ struct Stream {
   bool adaptive = false, channel = false, keyframe_reference = false;
   Blocks channel_blocks;
   int64_t group = 0, pad = 0, n_groups = 0, planes_per_group = 0, coded = 0, tail_rows = 0;
-  torch::Tensor planes_t, depths_t, low_t, step_t, tail_t;
+  at::Tensor planes_t, depths_t, low_t, step_t, tail_t;
   const uint8_t* planes = nullptr;
   const uint8_t* depths = nullptr;
   const at::Half* low = nullptr;
@@ -243,14 +249,14 @@ struct Stream {
       adaptive = true;
       group = layout.attr("group").cast<int64_t>();
       pad = layout.attr("offset").cast<int64_t>();
-      tail_t = layout.attr("tail").cast<torch::Tensor>().contiguous();
+      tail_t = layout.attr("tail").cast<at::Tensor>().contiguous();
       tail = tail_t.data_ptr<at::Half>();
       tail_rows = tail_t.size(2);
       if (!layout.attr("planes").is_none()) {
-        planes_t = layout.attr("planes").cast<torch::Tensor>().contiguous();
-        depths_t = layout.attr("bits").cast<torch::Tensor>().contiguous();
-        low_t = layout.attr("low").cast<torch::Tensor>().contiguous();
-        step_t = layout.attr("step").cast<torch::Tensor>().contiguous();
+        planes_t = layout.attr("planes").cast<at::Tensor>().contiguous();
+        depths_t = layout.attr("bits").cast<at::Tensor>().contiguous();
+        low_t = layout.attr("low").cast<at::Tensor>().contiguous();
+        step_t = layout.attr("step").cast<at::Tensor>().contiguous();
         planes = planes_t.data_ptr<uint8_t>();
         depths = depths_t.data_ptr<uint8_t>();
         low = low_t.data_ptr<at::Half>();
@@ -264,14 +270,14 @@ struct Stream {
     if (kind == HFD_STREAM_CHANNEL) {
       channel = true;
       group = layout.attr("group").cast<int64_t>();
-      tail_t = layout.attr("tail").cast<torch::Tensor>().contiguous();
+      tail_t = layout.attr("tail").cast<at::Tensor>().contiguous();
       tail = tail_t.data_ptr<at::Half>();
       tail_rows = tail_t.size(2);
       const py::object groups = layout.attr("groups");
       if (!groups.is_none()) {
         // codes [B, H, G, D, 1, bytes]: a row per (group, channel), one block of `group` tokens each
         channel_blocks = Blocks(groups, group);
-        n_groups = groups.attr("codes").cast<torch::Tensor>().size(2);
+        n_groups = groups.attr("codes").cast<at::Tensor>().size(2);
       }
       coded = n_groups * group;
       return;
@@ -285,7 +291,7 @@ struct Stream {
     keyframe_reference = layout.attr("reference").cast<std::string>() == "keyframe";
     const py::object m = layout.attr("means");
     if (intra && !m.is_none()) {
-      means_t = m.cast<torch::Tensor>().contiguous();
+      means_t = m.cast<at::Tensor>().contiguous();
       means = means_t.data_ptr<at::Half>();
       snapshot_rows = means_t.size(2);
     }
@@ -698,9 +704,9 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
 // query [B, Hkv, R, D] fp32 (row r = g * n + i); sink_k, sink_v fp32 [B, Hkv, S, D] (S may be 0); cos, sin [B, D, L]
 // fp32 channel-major or empty; mask [B, n, S + L] uint8 or empty (then causal: token u visible to query i when
 // u <= causal_offset + i, u counting the sinks). A row that may attend nothing gets zeros.
-torch::Tensor stream_attention(
-    torch::Tensor query, torch::Tensor sink_k, torch::Tensor sink_v, py::object key_layout, py::object value_layout,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
+at::Tensor stream_attention(
+    at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout, py::object value_layout,
+    at::Tensor cos, at::Tensor sin, at::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
     int64_t split) {
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t sinks = sink_k.size(2);
@@ -727,9 +733,9 @@ torch::Tensor stream_attention(
   a.key_scale = a.scale / (keys.rotation ? std::sqrt(static_cast<float>(keys.rotation)) : 1.0f);
   const int64_t items = batch * heads * a.splits;
   auto opts = query.options();
-  auto part_acc = torch::zeros({std::max<int64_t>(items, 1), rows, dim}, opts);
-  auto part_max = torch::full({std::max<int64_t>(items, 1), rows}, NEG_INF, opts);
-  auto part_sum = torch::zeros({std::max<int64_t>(items, 1), rows}, opts);
+  auto part_acc = at::zeros({std::max<int64_t>(items, 1), rows, dim}, opts);
+  auto part_max = at::full({std::max<int64_t>(items, 1), rows}, NEG_INF, opts);
+  auto part_sum = at::zeros({std::max<int64_t>(items, 1), rows}, opts);
   a.part_acc = part_acc.data_ptr<float>(), a.part_max = part_max.data_ptr<float>();
   a.part_sum = part_sum.data_ptr<float>();
 
@@ -747,7 +753,7 @@ torch::Tensor stream_attention(
 
   // Per row: merge the splits (log-sum-exp), undo the value rotation once on the merged rows, add the sinks,
   // normalise.
-  auto out = torch::zeros({batch, heads, rows, dim}, opts);
+  auto out = at::zeros({batch, heads, rows, dim}, opts);
   float* po = out.data_ptr<float>();
   const float* sk = sink_k.data_ptr<float>();
   const float* sv = sink_v.data_ptr<float>();
