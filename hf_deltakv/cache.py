@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -23,8 +24,8 @@ from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
 from .layers import CompressedLayer, PositionLog, StreamLayer
-from .quant import FORMATS, SEARCHABLE_KINDS, get_format
-from .rope import RopeInverter, find_rotary_embedding
+from .quant import FORMATS, SEARCHABLE_KINDS, get_format, nbytes_of
+from .rope import RopeForm, find_rotary_embedding, probe_rope
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -42,7 +43,8 @@ class StreamCache(Cache):
         sink_tokens: first tokens kept raw (attention sinks), counted in the bytes.
         model: the model the cache serves. Optional; with it, keys can be coded before RoPE (when `pre_rope`) and
             layer types the cache cannot serve are refused up front.
-        pre_rope: code keys before RoPE; needs `model`. Defaults to True when `model` is given.
+        pre_rope: code keys before RoPE; needs `model`. Defaults to True when `model` is given and its RoPE is
+            understood (`hf_deltakv.rope.probe_rope`; otherwise keys are coded after RoPE, with one warning).
     """
 
     def __init__(self, sink_tokens: int = 0, model: nn.Module | None = None, pre_rope: bool | None = None) -> None:
@@ -51,38 +53,42 @@ class StreamCache(Cache):
         self.positions = PositionLog()
         self._layer_types: list[str] | None = None
         self._sliding_window: int | None = None
-        self._rotary = None
+        self._chunk_size: int | None = None
+        self._rope_forms: list[RopeForm | None] | None = None
+        self._before: tuple[int, list] | None = None  # the state when the last forward started (`_recover`)
         if pre_rope and model is None:
-            raise ValueError("pre_rope=True needs the model: pass model=... (its rotary embedding undoes RoPE)")
+            raise ValueError("pre_rope=True needs the model: pass model=... (its RoPE is measured to undo it)")
         if model is not None:
             if not isinstance(model, nn.Module):
                 raise ValueError(f"model must be a torch nn.Module, got {type(model).__name__}")
             self._layer_types = model_layer_types(model)
             self._sliding_window = getattr(text_config(model), "sliding_window", None)
+            self._chunk_size = getattr(text_config(model), "attention_chunk_size", None)
             if pre_rope is None or pre_rope:
-                self._rotary = find_rotary_embedding(model)
-                if self._rotary is None and pre_rope:
-                    raise ValueError(f"pre_rope=True but {type(model).__name__} has no *RotaryEmbedding module")
+                self._rope_forms = rope_forms(model, required=bool(pre_rope))
 
     def _window(self, layer_idx: int) -> int | None:
-        """The sliding window of layer `layer_idx` (None: full attention, or a model the cache was not told of)."""
+        """The sliding window of layer `layer_idx` (None: full attention, or a model the cache was not told of). A
+        chunked-attention layer keeps as much as a window of its chunk size, as transformers' own caches do (its
+        queries never see further back; the mask draws the chunk boundaries)."""
         types = self._layer_types or []
-        if layer_idx < len(types) and types[layer_idx] == "sliding_attention" and self._sliding_window:
-            return int(self._sliding_window)
-        return None
+        kind = types[layer_idx] if layer_idx < len(types) else None
+        window = {"sliding_attention": self._sliding_window, "chunked_attention": self._chunk_size}.get(kind)
+        return int(window) if window else None
 
-    def _rope(self, layer_idx: int) -> RopeInverter | None:
-        if self._rotary is None:
+    def _rope(self, layer_idx: int) -> RopeForm | None:
+        """Layer `layer_idx`'s RoPE when its keys are coded before it (None: coded as given)."""
+        if self._rope_forms is None or layer_idx >= len(self._rope_forms):
             return None
-        layer_type = self._layer_types[layer_idx] if self._layer_types else None
-        return RopeInverter(self._rotary, layer_type)
+        return self._rope_forms[layer_idx]
 
     def _make_layer(self, layer_idx: int) -> StreamLayer:
         raise NotImplementedError
 
     @property
     def pre_rope(self) -> bool:
-        return self._rotary is not None
+        """Whether some layer codes its keys before RoPE."""
+        return self._rope_forms is not None and any(form is not None for form in self._rope_forms)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -95,13 +101,50 @@ class StreamCache(Cache):
                 f"this cache was built for a model of {len(self._layer_types)} layers; layer {layer_idx} was asked "
                 "(a cache serves the model it was built with)"
             )
+        if layer_idx == 0:  # a forward starts: its starting state is kept until the next one starts
+            self._recover()
+            self._before = (len(self.layers), [entry for layer in self.layers for entry in layer._snapshot()])
         while len(self.layers) <= layer_idx:
             self.layers.append(self._make_layer(len(self.layers)))
+            if getattr(self, "_record_past", False):
+                self.layers[-1].activate_past_recording()
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
+    def _recover(self) -> None:
+        """Undo a forward that stopped midway (an exception after some layers had updated, e.g. Ctrl-C in
+        `generate`): when the layers disagree on how many tokens they hold, or fewer layers exist than the model has,
+        every layer goes back to its state when that forward started, so the cache can be used again as if it had
+        never run. (Without `model=` the layer count is known only once a forward has completed.)"""
+        if self._before is None:
+            return
+        lengths = {layer.cumulative_length for layer in self.layers}
+        expected = len(self._layer_types) if self._layer_types else None
+        if len(lengths) <= 1 and (expected is None or len(self.layers) in (0, expected)):
+            return
+        count, saved = self._before
+        StreamLayer._restore(saved)
+        del self.layers[count:]
+        self._before = None
+
     def nbytes(self) -> int:
-        """Bytes of all state held: every layer's packed storage plus the shared position log."""
-        return sum(layer.nbytes() for layer in self.layers) + self.positions.nbytes()
+        """Bytes of all state held: every layer's packed storage, the shared position log, and the previous state of
+        what the current forward replaced (kept to undo an interrupted forward); each storage once."""
+        self._recover()
+        before = [attributes for _, attributes in self._before[1]] if self._before else []
+        return nbytes_of([[layer.held() for layer in self.layers], self.positions.ids, before])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._recover()
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if layer_idx == 0:
+            self._recover()
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def crop(self, max_length: int) -> None:
+        self._recover()
+        super().crop(max_length)
 
     def bits_per_element(self) -> float:
         """8 × nbytes() / number of cached key and value scalars."""
@@ -115,16 +158,26 @@ class StreamCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.positions.reset()
+        self._before = None
+
+    def activate_past_recording(self) -> None:
+        """Sliding layers keep what a crop back to the current forward needs (transformers' assisted decoding), also
+        the layers created later."""
+        self._record_past = True
+        super().activate_past_recording()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._recover()
         super().reorder_cache(beam_idx)
         self.positions.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._recover()
         super().batch_repeat_interleave(repeats)
         self.positions.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._recover()
         super().batch_select_indices(indices)
         self.positions.map_batch(lambda t: t[indices])
 
@@ -175,17 +228,52 @@ def text_config(model: nn.Module):
 
 
 def model_layer_types(model: nn.Module) -> list[str]:
+    """The attention type of every layer (`SUPPORTED_LAYER_TYPES`); models whose cache is not keys and values of
+    every layer are refused, with the reason."""
     text = text_config(model)
     if text is None:
         return []
-    layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    name = type(model).__name__
+    if any("mamba" in key.lower() for key in vars(text)):
+        raise ValueError(
+            f"{name} interleaves attention with Mamba (state-space) layers, whose state is not keys and values: "
+            "hf_deltakv caches serve attention-only models"
+        )
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise ValueError(
+            f"{name}'s last {text.num_kv_shared_layers} layers reuse the keys and values of earlier layers (KV "
+            "sharing), which hf_deltakv caches do not model: they serve models whose every layer has its own cache"
+        )
+    layer_types = getattr(text, "layer_types", None)
+    if not layer_types:  # inferred as transformers' caches infer it: a window or chunk size applies to every layer
+        kind = "full_attention"
+        if getattr(text, "sliding_window", None) is not None:
+            kind = "sliding_attention"
+        elif getattr(text, "attention_chunk_size", None) is not None:
+            kind = "chunked_attention"
+        layer_types = [kind] * text.num_hidden_layers
     for idx, kind in enumerate(layer_types):
         if kind not in SUPPORTED_LAYER_TYPES:
             raise ValueError(
-                f"layer {idx} of {type(model).__name__} is of type {kind!r}, which hf_deltakv caches cannot hold; "
-                f"supported: {SUPPORTED_LAYER_TYPES}"
+                f"layer {idx} of {name} is of type {kind!r}, which hf_deltakv caches cannot hold (not softmax "
+                f"attention over keys and values); supported: {SUPPORTED_LAYER_TYPES}"
             )
     return layer_types
+
+
+def rope_forms(model: nn.Module, required: bool = False) -> list[RopeForm | None] | None:
+    """Each layer's RoPE for pre-RoPE coding (`hf_deltakv.rope.probe_rope`), or None: keys coded as given. A model
+    without RoPE needs nothing undone; one whose RoPE is not understood is coded after RoPE with a warning, or
+    refused when pre-RoPE coding was asked for (`required`)."""
+    if find_rotary_embedding(model) is None:  # keys without RoPE are coded as given: that is pre-RoPE already
+        return None
+    probe = probe_rope(model)
+    if probe.forms is None:
+        message = f"keys of {type(model).__name__} are coded after RoPE: its RoPE is not understood ({probe.reason})"
+        if required:
+            raise ValueError(f"pre_rope=True, but {message}")
+        warnings.warn(f"hf_deltakv: {message}", RuntimeWarning, stacklevel=4)
+    return probe.forms
 
 
 class QuantizedKVCache(CompressedKVCache):

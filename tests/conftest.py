@@ -92,3 +92,17 @@ def tiny_compressor(model, top_k: int = 2):
             _TINY_COMPRESSORS[key] = fit_compressor(model.float(), windows, 4.0, layout)
         model.to(dtype)
     return _TINY_COMPRESSORS[key]
+
+
+def rope_angles(batch: int, length: int, dim: int, g: torch.Generator, case: str = "rope"):
+    """RoPE of `length` stored tokens: consecutive positions from a large start (the kernels turn each token from the
+    previous one, computing exactly every few hundred), or with gaps and repeats (each computed exactly)."""
+    from hf_deltakv.kernels.layout import RopeAngles
+
+    freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+    if case == "rope-gaps":
+        positions = torch.randint(0, 40000, (batch, length), generator=g)
+        positions[:, 10:20] = positions[:, 9:10]  # repeated positions (left padding)
+    else:
+        positions = 30000 + torch.arange(length).expand(batch, length)
+    return RopeAngles(positions.to(torch.int32).contiguous(), freqs)

@@ -16,7 +16,7 @@ from hf_deltakv.kernels.cpu.stream_attention import supports
 from hf_deltakv.kernels.online_softmax import OnlineSoftmax
 from hf_deltakv.layers import StreamLayer
 
-from .conftest import ARCHS, delta_codec, tiny_compressor, tiny_model
+from .conftest import ARCHS, delta_codec, rope_angles, tiny_compressor, tiny_model
 
 CACHES = {
     "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
@@ -173,7 +173,7 @@ def _stream(make, length: int, batch: int, heads: int, dim: int, seed: int):
 
 @pytest.mark.parametrize("key", list(CODECS))
 @pytest.mark.parametrize("value", ["q4_0", "delta-rot", "q8_0-rot", "kivi", "q3_0-rot"])
-@pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "rope-sinks", "rope-compact"])
+@pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "rope", "rope-gaps"])
 def test_stream_attention_kernel_matches_reference(key, value, case):
     """The dispatched op (the compiled CPU kernel where it reads the storage) against `reference.stream_attention`
     on odd shapes: 77 tokens (not a multiple of the tile or of kf), GQA group 3, batch 2, with and without sinks."""
@@ -182,18 +182,14 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
     values = _stream(CODECS[value], length, batch, heads, dim, seed=2)
     g = torch.Generator().manual_seed(3)
     query = torch.randn(batch, heads, 3 * n, dim, generator=g)
-    sinks = 3 if case in ("rope-sinks", "rope-compact", "masked") else 0
+    sinks = 3 if case in ("rope", "rope-gaps", "masked") else 0
     sink_keys, sink_values = (torch.randn(batch, heads, sinks, dim, generator=g).half() for _ in range(2))
-    cos = sin = mask = None
-    if case.startswith("rope"):
-        angle = torch.rand(batch, length, dim // 2, generator=g) * 6
-        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-        if case == "rope-compact":  # rotate-half tables given by their first half, as PositionLog hands them over
-            cos, sin = angle.cos(), angle.sin()
+    rope = rope_angles(batch, length, dim, g, case) if case.startswith("rope") else None
+    mask = None
     if case == "masked":
         mask = torch.rand(batch, n, sinks + length, generator=g) > 0.3
         mask[1, :, :] = False  # a fully masked row: no key at all
-    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), cos, sin, mask, n, sinks + length - n, 0.125)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), rope, mask, n, sinks + length - n, 0.125)
     torch.testing.assert_close(
         kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
     )
@@ -225,7 +221,7 @@ def test_forced_reference_never_calls_the_kernel(monkeypatch):
     keys, values = _stream(CODECS["q4_0"], 20, 1, 1, 64, 0), _stream(CODECS["q4_0"], 20, 1, 1, 64, 1)
     sinks = torch.zeros(1, 1, 0, 64)
     query = torch.randn(1, 1, 2, 64)
-    kernels.stream_attention(query, sinks, sinks, keys.layout(), values.layout(), None, None, None, 1, 19, 0.125)
+    kernels.stream_attention(query, sinks, sinks, keys.layout(), values.layout(), None, None, 1, 19, 0.125)
 
 
 @pytest.mark.parametrize("name", ["delta", "delta-rot", "kivi", "q4_1"])

@@ -9,7 +9,7 @@ import torch
 from hf_deltakv.codecs import PlainCodec, RotatedCodec
 from hf_deltakv.kernels import reference
 
-from .conftest import delta_codec
+from .conftest import delta_codec, rope_angles
 
 pytest.importorskip("triton", reason="needs the triton extra")
 
@@ -98,7 +98,7 @@ def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads,
     if masked:  # left padding in the first sequence
         mask[0, :, sinks : sinks + 7] = False
     sink_kv = torch.randn(batch, kv_heads, sinks, dim)
-    args = (query, sink_kv, sink_kv, keys.layout(), values.layout(), None, None, mask, 1, sinks + tokens - 1)
+    args = (query, sink_kv, sink_kv, keys.layout(), values.layout(), None, mask, 1, sinks + tokens - 1)
     expected = reference.stream_attention(*args, dim**-0.5)
     for splits in (1, 3):
         acc, _, total = plain_attention(
@@ -196,10 +196,10 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
     keys, stored = key_codec.layout(), value_codec.layout()
     assert supports(keys, stored)
     query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
+    angles = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(1)) if rope else None
     cos = sin = None
-    if rope:
-        angle = torch.rand(batch, tokens, dim // 2) * 6
-        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    if rope:  # the kernel reads full-width tables; the dispatch builds them from the positions
+        cos, sin = (torch.cat([t, t], -1) for t in angles.cos_sin())
     sinks = 2
     mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
     mask[:, :, :sinks] = False
@@ -207,7 +207,7 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
         mask[0, :, sinks : sinks + 5] = False
     sink_kv = torch.randn(batch, kv_heads, sinks, dim)
     expected = reference.stream_attention(
-        query, sink_kv, sink_kv, keys, stored, cos, sin, mask, 1, sinks + tokens - 1, 0.2
+        query, sink_kv, sink_kv, keys, stored, angles, mask, 1, sinks + tokens - 1, 0.2
     )
     acc, _, total = delta_attention(query, keys, stored, cos, sin, mask[:, 0], sinks, 0.2, per_split)
     torch.testing.assert_close(acc / total[..., None], expected, atol=1e-4, rtol=1e-4)
@@ -228,11 +228,9 @@ def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monke
     values.append(torch.randn(batch, kv_heads, tokens, dim))
     query = torch.randn(batch, kv_heads, group, dim)
     sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
-    cos = sin = None
-    if keys_kind == "delta":  # the plain kernel applies no RoPE (keys after RoPE)
-        angle = torch.rand(batch, tokens, dim // 2) * 6
-        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), cos, sin, None, 1, sinks + tokens - 1, 0.25)
+    # the plain kernel applies no RoPE (keys after RoPE)
+    rope = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(2)) if keys_kind == "delta" else None
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), rope, None, 1, sinks + tokens - 1, 0.25)
     expected = reference.stream_attention(*args)
     called = []
     module, name = (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache
-from hf_deltakv.rope import RopeInverter, find_rotary_embedding
+from hf_deltakv.rope import probe_rope
 
 from .conftest import tiny_model
 
@@ -26,9 +26,8 @@ def outlier_keys():
     pre[..., 3] += 80.0
     pre[..., 3 + head_dim // 2] -= 60.0
     positions = torch.arange(TOKENS).unsqueeze(0)
-    rope = RopeInverter(find_rotary_embedding(model))
-    cos, sin = rope.cos_sin(positions, head_dim)
-    return model, rope.redo(pre, cos, sin), positions
+    rope = probe_rope(model).forms[0]
+    return model, rope.redo(pre, positions), positions
 
 
 def small_channel_error(cache, keys, positions) -> float:

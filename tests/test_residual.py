@@ -19,7 +19,7 @@ from hf_deltakv.residual.references import nearest_references
 from hf_deltakv.residual.train import TrainConfig, train_residual
 from hf_deltakv.residual.window import code_window
 
-from .conftest import tiny_compressor, tiny_model
+from .conftest import rope_angles, tiny_compressor, tiny_model
 
 
 @settings(max_examples=40, deadline=None)
@@ -121,12 +121,12 @@ def test_code_window_matches_the_layer():
     got_k, got_v = cache.update(keys, values, 0)  # no position_ids: positions 0..29, RoPE undone then redone
     layout = cache.layout
     rope = cache.layers[0].rope
-    cos, sin = rope.cos_sin(torch.arange(30).unsqueeze(0), 32)
+    positions = torch.arange(30).unsqueeze(0)
     with torch.no_grad():
         want_k, want_v, error = code_window(
-            compressor.layers[0], compressor.config.bits[0], layout, rope.undo(keys, cos, sin), values
+            compressor.layers[0], compressor.config.bits[0], layout, rope.undo(keys, positions), values
         )
-    torch.testing.assert_close(got_k.float(), rope.redo(want_k, cos, sin), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got_k.float(), rope.redo(want_k, positions), atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(got_v.float(), want_v, atol=1e-3, rtol=1e-3)
     assert 0 < error.item() < 1
 
@@ -266,7 +266,7 @@ def test_latent_decoder_reads_every_depth(latent_decoder):
     )
 
 
-@pytest.mark.parametrize("rope", ["none", "full", "tied"])
+@pytest.mark.parametrize("rope", ["none", "rope", "rope-gaps"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
 def test_latent_attention_kernel_matches_the_reference(rope, masked, key_dtype):
@@ -278,15 +278,12 @@ def test_latent_attention_kernel_matches_the_reference(rope, masked, key_dtype):
     keys = torch.randn(batch, tokens, heads * dim, generator=g) * 2
     codes, scales = reference.quantize_latent(torch.randn(batch, tokens + 90, len(bits) * GROUP, generator=g), bits)
     codes, scales = codes[:, 50 : 50 + tokens], scales[:, 50 : 50 + tokens]  # a chunk of a longer history
-    cos = sin = allowed = None
-    if rope != "none":
-        width = dim if rope == "full" else dim // 2
-        angle = torch.rand(batch, width, tokens, generator=g) * 6
-        cos, sin = angle.cos(), angle.sin()
+    allowed = None
+    angles = None if rope == "none" else rope_angles(batch, tokens, dim, g, rope)
     if masked:
         allowed = torch.rand(batch, heads, rows, tokens, generator=g) > 0.3
         allowed[1, 2, 1] = False
-    args = (query, keys.to(key_dtype), cos, sin, allowed, codes, scales, bits, 0.125, torch.randn(heads * dim) * 3)
+    args = (query, keys.to(key_dtype), angles, allowed, codes, scales, bits, 0.125, torch.randn(heads * dim) * 3)
     for got, expected in zip(kernels.latent_attention(*args), reference.latent_attention(*args), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 

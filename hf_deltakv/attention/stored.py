@@ -9,7 +9,8 @@ the tensors a cache returns behave this way, so other models and caches in the p
 attention reads is exactly what the cache stores either way.
 
 The layer is duck-typed (this module sits below the cache layers): it needs `reconstruct() -> (keys, values)` and
-`sdpa(query, mask, dropout_p, is_causal, scale, enable_gqa) -> Tensor | None` (None: not served, decode instead).
+`sdpa(query, mask, dropout_p, is_causal, scale, enable_gqa) -> Tensor | None` (None: not served, decode instead), and
+may have `read_done()`, called once attention has read the pair.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class _Pair:
     def decode(self, index: int, dtype: torch.dtype) -> torch.Tensor:
         if self.decoded is None:
             self.decoded = self.layer.reconstruct()
+            _read_done(self.layer)
         return self.decoded[index].to(dtype)
 
 
@@ -146,7 +148,18 @@ def _serve_sdpa(args: tuple, kwargs: dict) -> torch.Tensor | None:
     if isinstance(mask, StoredKV):
         return None
     gqa = call["enable_gqa"] or key.repeats > 1  # heads repeated by repeat_kv: the layer reads its own kv heads
-    return key.pair.layer.sdpa(query, mask, call["dropout_p"], call["is_causal"], call["scale"], gqa)
+    out = key.pair.layer.sdpa(query, mask, call["dropout_p"], call["is_causal"], call["scale"], gqa)
+    if out is not None:
+        _read_done(key.pair.layer)
+    return out
+
+
+def _read_done(layer) -> None:
+    """Tell the layer that this forward's attention has read it (optional `read_done()`: a sliding window drops now
+    what no later query sees)."""
+    done = getattr(layer, "read_done", None)
+    if done is not None:
+        done()
 
 
 def stored_pair(

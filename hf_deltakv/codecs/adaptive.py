@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import FP16_MAX, pack_4bit
+from ..quant import FP16_MAX, owned, pack_4bit, saturate_fp16
 from ..quant.bitplanes import MAX_BITS
 from .base import StreamCodec, append_along_seq
 
 GROUPS = (8, 16, 32, 64)  # token group sizes (a plane is a whole number of bytes; the kernels read up to 64)
+CODED = ("planes", "depths", "low", "step")  # the state of coded groups, one row per group
 
 
 def allocate_bits(score: torch.Tensor, total: int) -> torch.Tensor:
@@ -145,8 +146,8 @@ class AdaptiveChannelCodec(StreamCodec):
     def state_names(self) -> tuple[str, ...]:
         return ("planes", "depths", "low", "step", "tail", "energy")
 
-    def nbytes(self) -> int:
-        return super().nbytes() + sum(e.numel() * e.element_size() for e, _ in self.before_group.values())
+    def held(self) -> list:
+        return [*super().held(), self.before_group]
 
     def map_batch(self, fn) -> None:
         super().map_batch(fn)
@@ -161,7 +162,7 @@ class AdaptiveChannelCodec(StreamCodec):
     def append(self, x: torch.Tensor) -> None:
         if self.tail is None:
             self._budget(x.shape[-1])
-        self.tail = append_along_seq(self.tail, x.to(torch.float16))
+        self.tail = append_along_seq(self.tail, saturate_fp16(x))
         self.length += x.shape[2]
 
     def observe(self, energy: torch.Tensor, first: int) -> None:
@@ -198,11 +199,9 @@ class AdaptiveChannelCodec(StreamCodec):
         grouped = x.view(batch, heads, complete, self.group, dim)
         first = self.first_group + self.coded
         planes, depths, low, step = self._encode(grouped, self._weights(range(first, first + complete), grouped))
-        self.planes = append_along_seq(self.planes, planes)
-        self.depths = append_along_seq(self.depths, depths)
-        self.low = append_along_seq(self.low, low)
-        self.step = append_along_seq(self.step, step)
-        self.tail = self.tail[:, :, take:].contiguous()
+        for name, value in zip(CODED, (planes, depths, low, step), strict=True):
+            self._append_rows(name, value)  # in place, in a buffer with room: a flush does not copy the history
+        self.tail = owned(self.tail[:, :, take:])
         for g in range(first, first + complete):
             self.before_group.pop(g, None)
         self.coded += complete
@@ -252,8 +251,9 @@ class AdaptiveChannelCodec(StreamCodec):
 
     def drop_front(self, tokens: int) -> None:
         groups = (tokens + self.pad) // self.group
-        for name in ("planes", "depths", "low", "step"):
-            setattr(self, name, getattr(self, name)[:, :, groups:])
+        for name in CODED:
+            setattr(self, name, owned(getattr(self, name)[:, :, groups:]))  # the dropped groups are freed
+        self._release_rows()
         self.coded -= groups
         self.first_group += groups
         self.pad = 0
@@ -264,14 +264,15 @@ class AdaptiveChannelCodec(StreamCodec):
         are coded again when the group fills up). Query statistics gathered so far are kept."""
         coded = self._coded_tokens()
         if tokens >= coded:
-            self.tail = self.tail[:, :, : tokens - coded]
+            self.tail = owned(self.tail[:, :, : tokens - coded])
         else:
             keep = (tokens + self.pad) // self.group  # whole groups before the cut
             start = keep * self.group - self.pad if keep else 0
-            partial = kernels.decode_stream(self.layout(), start, tokens).to(torch.float16)
-            for name in ("planes", "depths", "low", "step"):
-                value = getattr(self, name)[:, :, :keep]
+            partial = saturate_fp16(kernels.decode_stream(self.layout(), start, tokens))
+            for name in CODED:
+                value = owned(getattr(self, name)[:, :, :keep])
                 setattr(self, name, value if keep else None)
+            self._release_rows()
             self.coded = keep
             self.tail = partial.contiguous()
         self.length = tokens

@@ -62,9 +62,13 @@ class StreamCodec(ABC):
         """Reconstruct every stored token, `[batch, heads, length, dim]` in fp32."""
         return self.decode_range(0, self.length)
 
+    def held(self) -> list:
+        """Every tensor (or `QuantizedTensor`) of state held, for counting bytes (`quant.nbytes_of`)."""
+        return [getattr(self, name) for name in self.state_names()]
+
     def nbytes(self) -> int:
         """Bytes of all state held."""
-        return nbytes_of([getattr(self, name) for name in self.state_names()])
+        return nbytes_of(self.held())
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply `fn` to every state tensor along its batch dimension (beam reorder, batch selection)."""
@@ -74,15 +78,37 @@ class StreamCodec(ABC):
                 setattr(self, name, value.map(fn))
             elif isinstance(value, torch.Tensor):
                 setattr(self, name, fn(value))
+        self._release_rows()
+
+    def _append_rows(self, name: str, new: State) -> None:
+        """Append `new` after the state attribute `name` along the sequence, in a buffer with room (`GrowingRows`)
+        kept for that attribute."""
+        rows = self.__dict__.setdefault("_growing", {}).setdefault(name, GrowingRows())
+        if rows.view is not getattr(self, name):  # replaced since (batch reorder, crop, drop): grow from it
+            rows.reset(getattr(self, name))
+        setattr(self, name, rows.append(new))
+
+    def _release_rows(self) -> None:
+        """After state attributes were replaced (not appended to): let go of the buffers behind the old views, so that
+        nothing is held that `nbytes` does not count."""
+        for name, rows in self.__dict__.get("_growing", {}).items():
+            if rows.view is not getattr(self, name):
+                rows.reset(getattr(self, name))
 
 
-ROOM = 256  # tokens of room a growing store keeps ahead: appending a token copies nothing (not counted in bytes)
+# Room a growing store keeps for later appends (decoding), as a fraction of what it holds (at least ROOM_MIN tokens):
+# appending a token then copies nothing most of the time, and a regrowth copies the history once per 1/ROOM_FRACTION
+# of its length. The first append (a prefill) gets no room. The room is held memory, so `nbytes` counts it (the
+# buffer's whole storage).
+ROOM_FRACTION = 32
+ROOM_MIN = 1
 
 
 class GrowingRows:
-    """Rows appended along the sequence dimension (2) into a buffer with room for `ROOM` more, so that appending one
-    token per decoding step does not copy the history each time. `view` holds the rows stored so far (a `tensor` or
-    `QuantizedTensor` over the buffer's leading rows): what codecs keep as state and count."""
+    """Rows appended along the sequence dimension (2) into a buffer with room for more (`ROOM_FRACTION`), so that
+    appending one token per decoding step does not copy the history each time. `view` holds the rows stored so far (a
+    `tensor` or `QuantizedTensor` over the buffer's leading rows): what codecs keep as state, counted with its
+    buffer."""
 
     def __init__(self) -> None:
         self.buffer: State = None
@@ -92,7 +118,8 @@ class GrowingRows:
         have = 0 if self.view is None else _rows(self.view)
         add = _rows(new)
         if self.buffer is None or _rows(self.buffer) < have + add or self.view is None:
-            capacity = have + add + ROOM
+            room = 0 if self.view is None else max(ROOM_MIN, (have + add) // ROOM_FRACTION)
+            capacity = have + add + room
             grown = _map(new, lambda t: t.new_empty(*t.shape[:2], capacity, *t.shape[3:]))
             if self.view is not None:
                 _copy(grown, self.view, 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import get_format, quantize
+from ..quant import get_format, owned, quantize, saturate_fp16
 from .base import StreamCodec, append_along_seq
 
 
@@ -36,14 +36,14 @@ class ChannelGroupCodec(StreamCodec):
         return ("groups", "tail")
 
     def append(self, x: torch.Tensor) -> None:
-        pending = x.to(torch.float16) if self.tail is None else torch.cat([self.tail, x.to(torch.float16)], dim=2)
+        pending = saturate_fp16(x) if self.tail is None else torch.cat([self.tail, saturate_fp16(x)], dim=2)
         batch, heads, n, dim = pending.shape
         full = n // self.group * self.group
         if full:
             blocks = pending[:, :, :full].float().reshape(batch, heads, full // self.group, self.group, dim)
             coded = quantize(blocks.transpose(3, 4).contiguous(), self.fmt.name)
             self.groups = append_along_seq(self.groups, coded)
-        self.tail = pending[:, :, full:].contiguous()
+        self.tail = owned(pending[:, :, full:])
         self.length += x.shape[2]
 
     def _coded(self) -> int:
@@ -53,17 +53,17 @@ class ChannelGroupCodec(StreamCodec):
         return min(tokens, self._coded()) // self.group * self.group
 
     def drop_front(self, tokens: int) -> None:
-        self.groups = self.groups.map(lambda t: t[:, :, tokens // self.group :])
+        self.groups = self.groups.map(lambda t: owned(t[:, :, tokens // self.group :]))
         self.length -= tokens
 
     def truncate(self, tokens: int) -> None:
         coded = self._coded()
         if tokens >= coded:
-            self.tail = self.tail[:, :, : tokens - coded]
+            self.tail = owned(self.tail[:, :, : tokens - coded])
         else:  # the cut group's kept tokens go back to the fp16 tail, as they were stored
             keep = tokens // self.group
-            partial = kernels.decode_stream(self.layout(), keep * self.group, tokens).to(torch.float16)
-            self.groups = self.groups.map(lambda t: t[:, :, :keep]) if keep else None
+            partial = saturate_fp16(kernels.decode_stream(self.layout(), keep * self.group, tokens))
+            self.groups = self.groups.map(lambda t: owned(t[:, :, :keep])) if keep else None
             self.tail = partial.contiguous()
         self.length = tokens
 

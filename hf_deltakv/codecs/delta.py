@@ -21,7 +21,7 @@ import torch
 from .. import kernels
 from ..kernels.layout import SNAPSHOTS
 from ..kernels.reference import long_term_reference
-from ..quant import QuantizedTensor, dequantize, get_format, quantize
+from ..quant import QuantizedTensor, dequantize, get_format, quantize, saturate_fp16
 from .base import StreamCodec, append_along_seq
 
 REFERENCES = ("previous", "keyframe")
@@ -80,7 +80,7 @@ class DeltaCodec(StreamCodec):
         points = [p for p in range(start + 1, end + 1) if SNAPSHOTS.count(p) > SNAPSHOTS.count(p - 1)]
         if points:
             sums = before + x.cumsum(dim=2)  # sums[:, :, i] = sum of tokens < start + i + 1
-            snaps = torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2).to(torch.float16)
+            snaps = saturate_fp16(torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2))
             self.means = append_along_seq(self.means, snaps)
         self.running_sum = before + (x if x.shape[2] == 1 else x.sum(dim=2, keepdim=True))
 

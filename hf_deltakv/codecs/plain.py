@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import SEARCHABLE_KINDS, get_format
-from .base import GrowingRows, StreamCodec
+from ..quant import SEARCHABLE_KINDS, get_format, owned
+from .base import StreamCodec
 
 
 class PlainCodec(StreamCodec):
@@ -24,7 +24,6 @@ class PlainCodec(StreamCodec):
             raise ValueError(f"search_scale applies to the q4_0 family and q3_0, not {fmt!r}")
         self.search_scale = search_scale
         self.stored = None
-        self._rows = GrowingRows()
 
     def state_names(self) -> tuple[str, ...]:
         return ("stored",)
@@ -32,20 +31,20 @@ class PlainCodec(StreamCodec):
     def append(self, x: torch.Tensor) -> None:
         # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
         coded = kernels.quantize(x, self.fmt, self.search_scale)
-        if self._rows.view is not self.stored:  # replaced since (batch reorder, crop): grow from it
-            self._rows.reset(self.stored)
-        self.stored = self._rows.append(coded)
+        self._append_rows("stored", coded)
         self.length += x.shape[2]
 
     def droppable(self, tokens: int) -> int:
         return min(tokens, self.length)
 
     def drop_front(self, tokens: int) -> None:
-        self.stored = self.stored.map(lambda t: t[:, :, tokens:])
+        self.stored = self.stored.map(lambda t: owned(t[:, :, tokens:]))  # the dropped rows are freed
+        self._release_rows()
         self.length -= tokens
 
     def truncate(self, tokens: int) -> None:
-        self.stored = self.stored.map(lambda t: t[:, :, :tokens])
+        self.stored = self.stored.map(lambda t: owned(t[:, :, :tokens]))
+        self._release_rows()
         self.length = tokens
 
     def layout(self) -> kernels.PlainStream:

@@ -30,8 +30,8 @@ class RotatedCodec(StreamCodec):
     def state_names(self) -> tuple[str, ...]:
         return ()
 
-    def nbytes(self) -> int:
-        return self.inner.nbytes()
+    def held(self) -> list:
+        return self.inner.held()
 
     def map_batch(self, fn) -> None:
         self.inner.map_batch(fn)

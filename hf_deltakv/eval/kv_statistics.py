@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..cache import model_layer_types
+from ..cache import rope_forms
 from ..kernels.hadamard import rotate
-from ..rope import RopeInverter, find_rotary_embedding
 
 
 @dataclass(frozen=True)
@@ -43,13 +42,12 @@ def kv_streams(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[torch.Te
     """Per layer, (pre-RoPE keys, values) of `ids` [1, tokens], in fp32: what the codec is handed."""
     cache = DynamicCache()
     model(ids, cache=cache, use_cache=True)
-    rotary = find_rotary_embedding(model)
-    types = model_layer_types(model) or [None] * len(cache.layers)
+    forms = rope_forms(model) or [None] * len(cache.layers)
     positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     streams = []
-    for layer, layer_type in zip(cache.layers, types, strict=True):
-        cos, sin = RopeInverter(rotary, layer_type).cos_sin(positions, layer.keys.shape[-1])
-        streams.append((RopeInverter(rotary).undo(layer.keys.float(), cos, sin), layer.values.float()))
+    for layer, form in zip(cache.layers, forms, strict=True):
+        keys = layer.keys.float() if form is None else form.undo(layer.keys, positions)
+        streams.append((keys, layer.values.float()))
     return streams
 
 

@@ -24,6 +24,7 @@ from .layout import (
     ChannelStream,
     DeltaStream,
     PlainStream,
+    RopeAngles,
     SnapshotSchedule,
     StreamKind,
     StreamLayout,
@@ -34,6 +35,7 @@ __all__ = [
     "ChannelStream",
     "DeltaStream",
     "PlainStream",
+    "RopeAngles",
     "SnapshotSchedule",
     "StreamKind",
     "StreamLayout",
@@ -178,8 +180,7 @@ def stream_attention(
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    rope: RopeAngles | None,
     mask: torch.Tensor | None,
     n_queries: int,
     causal_offset: int,
@@ -192,7 +193,7 @@ def stream_attention(
     the Triton kernel `triton/delta_attention.py` over delta keys and plain values, `triton/decode_attention.py` over
     plain block-quantized keys and values. Anything else goes to the chunked reference.
     """
-    args = (cos, sin, mask, n_queries, causal_offset, scale)
+    args = (rope, mask, n_queries, causal_offset, scale)
     if use_triton(query.device) and n_queries == 1:
         from .triton import stream_attention as triton_attention
 
@@ -207,7 +208,8 @@ def stream_attention(
             from .cpu.stream_attention import supports
 
             if supports(keys, values):
-                return kernel(query, sink_keys, sink_values, keys, values, *args, compiled)
+                cpu_args = (_rope_arguments(rope, query.new_empty(0)), *args[1:])
+                return kernel(query, sink_keys, sink_values, keys, values, *cpu_args, compiled)
     return reference.stream_attention(query, sink_keys, sink_values, keys, values, *args)
 
 
@@ -249,8 +251,7 @@ def quantize_latent(latent: torch.Tensor, bits: list[int]) -> tuple[torch.Tensor
 def latent_attention(
     rows: torch.Tensor,
     keys: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    rope: RopeAngles | None,
     allowed: torch.Tensor | None,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -262,14 +263,13 @@ def latent_attention(
     kernel on the CPU (fp32 rounding apart, the same statistics; tested), the reference elsewhere."""
     compiled = _cpu_extension(rows.device)
     if compiled is None:
-        return reference.latent_attention(rows, keys, cos, sin, allowed, codes, scales, bits, scale, key_mean)
+        return reference.latent_attention(rows, keys, rope, allowed, codes, scales, bits, scale, key_mean)
     empty = rows.new_empty(0)
     maximum, weight, acc = compiled.latent_attention(
         rows.float(),
         keys if keys.dtype == torch.bfloat16 else keys.float(),
         empty if key_mean is None else key_mean.float(),
-        empty if cos is None else cos,
-        empty if sin is None else sin,
+        *_rope_arguments(rope, rows.new_empty(0)),
         empty if allowed is None else allowed,
         codes,
         scales,
@@ -277,6 +277,15 @@ def latent_attention(
         scale,
     )
     return maximum, weight, acc
+
+
+def _rope_arguments(rope: RopeAngles | None, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, freqs) as the C++ kernels take them: int32 rows, contiguous float64 frequencies; empty: no RoPE."""
+    if rope is None:
+        return empty, empty
+    positions = rope.positions.to(torch.int32)
+    positions = positions if positions.stride(-1) == 1 else positions.contiguous()
+    return positions, rope.freqs.to(dtype=torch.float64, device=positions.device).contiguous()
 
 
 def delta_encode_groups(

@@ -52,6 +52,27 @@ SNAPSHOTS = SnapshotSchedule()
 
 
 @dataclass(frozen=True)
+class RopeAngles:
+    """RoPE to re-apply to stored keys (kept in the canonical order of `hf_deltakv.rope`): pair `c` (channels `c` and
+    `c + D/2`) of stored token `t` turns by `positions[b, t] * freqs[c]` radians. Kernels compute the angles; no
+    table is kept.
+
+    Args:
+        positions: int32 `[batch, stored tokens]` (rows contiguous).
+        freqs: float64 `[D / 2]`.
+    """
+
+    positions: torch.Tensor
+    freqs: torch.Tensor
+
+    def cos_sin(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin fp32 `[batch, end - start, D/2]` of stored tokens `start:end` (`hf_deltakv.rope.rope_cos_sin`)."""
+        from ..rope import rope_cos_sin
+
+        return rope_cos_sin(self.positions[:, start:end], self.freqs)
+
+
+@dataclass(frozen=True)
 class PlainStream:
     """Every token quantized on its own: `blocks` `[batch, heads, length, ...]` in one block format."""
 

@@ -10,9 +10,9 @@ import torch
 
 from ..quant import QuantizedTensor, dequantize, get_format, quantize, unpack_4bit
 from ..quant.bitplanes import unpack_planes
-from ..rope import apply_rope
+from ..rope import rotate_pairs
 from .hadamard import rotate
-from .layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, StreamLayout
+from .layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
 from .online_softmax import CHUNK_TOKENS, OnlineSoftmax
 
 __all__ = [
@@ -286,8 +286,7 @@ def stream_attention(
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    rope: RopeAngles | None,
     mask: torch.Tensor | None,
     n_queries: int,
     causal_offset: int,
@@ -300,9 +299,8 @@ def stream_attention(
         query: fp32 `[batch, kv_heads, group * n_queries, dim]`; row `g * n_queries + i` is query `i` of the kv
             head's `g`-th query head.
         sink_keys, sink_values: `[batch, kv_heads, sinks, dim]` raw tokens (keys with RoPE); sinks may be 0.
-        keys, values: the stored streams (same length; keys before RoPE when `cos` is given).
-        cos, sin: fp32 `[batch, stream tokens, dim]`: RoPE of every stored token, or None; `[..., dim / 2]` when the
-            two halves are equal (rotate-half RoPE) and only the first is given.
+        keys, values: the stored streams (same length; keys before RoPE, in the canonical order, when `rope` is given).
+        rope: the RoPE of every stored key (positions and frequencies of the pairs `c, c + dim/2`), or None.
         mask: bool `[batch, n_queries, sinks + stream tokens]`, True where query `i` may attend; None: causal, token
             `u` (sinks counted) visible to query `i` when `u <= causal_offset + i`.
         scale: softmax scale.
@@ -313,8 +311,6 @@ def stream_attention(
     """
     batch, heads, rows, dim = query.shape
     sinks = sink_keys.shape[2]
-    if cos is not None and cos.shape[-1] != dim:  # compact tables: both halves are the first
-        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
     state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + n_queries)
     if sinks:
@@ -322,8 +318,9 @@ def stream_attention(
     for start in range(0, keys.length, chunk):
         end = min(start + chunk, keys.length)
         chunk_keys = decode_stream(keys, start, end)
-        if cos is not None:
-            chunk_keys = apply_rope(chunk_keys, cos[:, None, start:end], sin[:, None, start:end])
+        if rope is not None:
+            cos, sin = rope.cos_sin(start, end)
+            chunk_keys = rotate_pairs(chunk_keys, cos[:, None], sin[:, None])
         state.add(chunk_keys, decode_stream(values, start, end), start=sinks + start)
     return state.result().reshape(batch, heads, rows, -1)
 
@@ -375,8 +372,7 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
 def latent_attention(
     rows: torch.Tensor,
     keys: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    rope: RopeAngles | None,
     allowed: torch.Tensor | None,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -390,8 +386,7 @@ def latent_attention(
     Args:
         rows: queries `[batch, kv_heads, rows, dim]` fp32 (the query heads and positions reading each kv head).
         keys: `[batch, tokens, kv_heads * dim]` fp32 or bf16, before RoPE, less `key_mean`.
-        cos, sin: channel-major RoPE tables `[batch, dim | dim / 2, tokens]` (rotate-half; half width when the halves
-            are tied), or None: no RoPE.
+        rope: the RoPE of these tokens' keys (`positions` `[batch, tokens]`), or None: no RoPE.
         allowed: bool `[batch, kv_heads, rows, tokens]`, or None: every key visible.
         codes, scales, bits: the value latents as `dequantize_latent` reads them, `[batch, tokens, ...]`.
         scale: softmax scale.
@@ -404,10 +399,9 @@ def latent_attention(
     batch, heads, n_rows, dim = rows.shape
     keys = keys.float() if key_mean is None else keys.float() + key_mean.float()
     keys = keys.view(batch, keys.shape[1], heads, dim).transpose(1, 2)
-    if cos is not None:
-        if cos.shape[1] * 2 == dim:
-            cos, sin = torch.cat([cos, cos], 1), torch.cat([sin, sin], 1)
-        keys = apply_rope(keys, cos.transpose(1, 2)[:, None], sin.transpose(1, 2)[:, None])
+    if rope is not None:
+        cos, sin = rope.cos_sin()
+        keys = rotate_pairs(keys, cos[:, None], sin[:, None])
     scores = (rows.float() @ keys.transpose(-1, -2)) * scale
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))

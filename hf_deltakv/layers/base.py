@@ -1,7 +1,7 @@
 """What every hf_deltakv cache layer shares: input checks, raw sink tokens, position ids and batch operations.
 
 Subclasses own the storage of the tokens after the sinks: `_append_stream` receives them (keys after RoPE, as the
-model passes them), `_decode_stream` gives back keys with RoPE and values, `_stream_nbytes` counts what is held.
+model passes them), `_decode_stream` gives back keys with RoPE and values, `_stream_held` lists what is held.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.stored import stored_pair
+from ..codecs.base import ROOM_FRACTION, ROOM_MIN
+from ..kernels.layout import RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
-from ..quant import FP16_MAX, nbytes_of
-from ..rope import RopeInverter
+from ..quant import FP16_MAX, nbytes_of, owned, saturate_fp16
+from ..rope import RopeForm
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Queries per kv head up to which attention reads the packed storage (decoding, chunked prefill); with more (a
@@ -44,7 +46,7 @@ class StreamLayer(CacheLayerMixin):
 
     Args:
         sink_tokens: number of first tokens kept raw (attention sinks), in the model's dtype or fp16 if wider.
-        rope: the model's RoPE, when the storage works on pre-RoPE keys (see `hf_deltakv.rope`).
+        rope: this layer's RoPE, when the storage works on pre-RoPE keys (see `hf_deltakv.rope`).
         positions: a shared log of position ids (needed with `rope`), one per cache.
         window: the layer's sliding window (None: full attention).
     """
@@ -55,7 +57,7 @@ class StreamLayer(CacheLayerMixin):
     def __init__(
         self,
         sink_tokens: int = 0,
-        rope: RopeInverter | None = None,
+        rope: RopeForm | None = None,
         positions: PositionLog | None = None,
         window: int | None = None,
     ):
@@ -65,6 +67,7 @@ class StreamLayer(CacheLayerMixin):
         self.positions = positions
         self.window = window
         self.is_sliding = window is not None
+        self.record_past = False
         self._clear()
 
     def _clear(self) -> None:
@@ -176,14 +179,19 @@ class StreamLayer(CacheLayerMixin):
         return torch.cat([hidden, mask], dim=-1)
 
     def _snapshot(self) -> list[tuple[object, dict]]:
-        """Shallow copies of this layer's and its storage's attributes (stored tensors are never changed in place)."""
-        return [(obj, dict(vars(obj))) for obj in (self, *self._state_objects())]
+        """Copies of this layer's and its storage's attributes, one level deep (dicts and lists copied; stored tensors
+        are never changed in place, only replaced or appended past the rows a view covers)."""
+        return [(obj, {k: _copied(v) for k, v in vars(obj).items()}) for obj in (self, *self._state_objects())]
 
     @staticmethod
     def _restore(saved: list[tuple[object, dict]]) -> None:
         for obj, attributes in saved:
             obj.__dict__.clear()
             obj.__dict__.update(attributes)
+        for obj, _ in saved:  # buffers grown since hold rows no state refers to: let them go
+            release = getattr(obj, "_release_rows", None)
+            if release is not None:
+                release()
 
     def _state_objects(self) -> list[object]:
         """Objects besides the layer whose attributes hold its state (codecs, the shared position log)."""
@@ -255,8 +263,9 @@ class StreamLayer(CacheLayerMixin):
         if stream is not None:
             yield stream
 
-    def _cos_sin(self, begin: int, end: int, compact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.positions.cos_sin(self.rope, begin, end, self.head_dim, compact)
+    def _rope_angles(self, begin: int, end: int) -> RopeAngles:
+        """The RoPE of tokens at positions `begin:end` of this layer (angles computed when used, never kept)."""
+        return RopeAngles(self.positions.ids[:, begin:end], self.rope.freqs)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (with RoPE, as attention reads them) and values of every visible cached token, as the cache stores
@@ -266,9 +275,10 @@ class StreamLayer(CacheLayerMixin):
             keys_parts.append(self.sink_keys.to(self.dtype))
             value_parts.append(self.sink_values.to(self.dtype))
         stream = self._decode_stream()
-        if stream is not None:
-            keys_parts.append(stream[0].to(self.dtype))
-            value_parts.append(stream[1].to(self.dtype))
+        if stream is not None:  # (a reconstruction may reach past the inputs' range: fp16 saturates, never inf)
+            convert = saturate_fp16 if self.dtype == torch.float16 else (lambda t: t.to(self.dtype))
+            keys_parts.append(convert(stream[0]))
+            value_parts.append(convert(stream[1]))
         if not keys_parts:  # nothing cached yet
             empty = (self.batch_size, self.kv_heads, 0)
             return torch.empty(*empty, self.head_dim, dtype=self.dtype), torch.empty(
@@ -291,8 +301,8 @@ class StreamLayer(CacheLayerMixin):
         """Keys (with RoPE) and values of the stream's stored tokens, or None when there are none."""
 
     @abstractmethod
-    def _stream_nbytes(self) -> int:
-        """Bytes held for the tokens after the sinks."""
+    def _stream_held(self) -> list:
+        """The tensors held for the tokens after the sinks."""
 
     @abstractmethod
     def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -318,9 +328,13 @@ class StreamLayer(CacheLayerMixin):
     def reset(self) -> None:
         self._clear()
 
+    def held(self) -> list:
+        """Every tensor this layer holds (sink tokens and the subclass's storage), for counting bytes."""
+        return [*self._stream_held(), self.sink_keys, self.sink_values]
+
     def nbytes(self) -> int:
-        """Bytes of all state this layer holds: sink tokens plus the subclass's storage."""
-        return self._stream_nbytes() + nbytes_of([self.sink_keys, self.sink_values])
+        """Bytes of all state this layer holds: every storage behind `held()`, once each."""
+        return nbytes_of(self.held())
 
     def num_elements(self) -> int:
         """Number of cached key and value scalars (every token the layer has cached, evicted ones included: what a
@@ -353,9 +367,17 @@ class StreamLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices.to(t.device)] if isinstance(indices, torch.Tensor) else t[indices])
 
+    def read_done(self) -> None:
+        """This forward's attention has read the layer: a sliding window drops now what the next forward's queries
+        cannot see, so that it holds no more than its window (plus the group being coded) between forwards, a one-shot
+        prefill included. Not while past recording is on (a crop may take the next query back)."""
+        if self.window is not None and not self.record_past:
+            self._evict(max(self.cumulative_length - self.window + 1, 0))
+
     def activate_past_recording(self) -> None:
-        """transformers asks sliding layers to keep what a crop may need: ours evict only what is out of every later
-        query's window, so nothing is needed."""
+        """transformers asks sliding layers to keep what a crop may need (assisted decoding): evict only at the next
+        update, what is out of the window of every query that a crop back to the current forward could bring."""
+        self.record_past = True
 
     def crop(self, max_length: int) -> None:
         """Drop `-max_length` tokens from the end (transformers 5's semantics; 0 changes nothing); a positive value
@@ -380,7 +402,10 @@ class StreamLayer(CacheLayerMixin):
         saved = self._snapshot()
         try:
             if keep < self.sink_tokens and self.sink_keys is not None:
-                self.sink_keys, self.sink_values = self.sink_keys[:, :, :keep], self.sink_values[:, :, :keep]
+                self.sink_keys, self.sink_values = (
+                    owned(self.sink_keys[:, :, :keep]),
+                    owned(self.sink_values[:, :, :keep]),
+                )
             self._truncate_stream(max(keep - self.sink_tokens - self.evicted, 0))
             self.cumulative_length = keep
             self.visible = min(self.visible, keep)
@@ -395,6 +420,10 @@ class StreamLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         """Offloading is not supported; nothing to prefetch."""
+
+
+def _copied(value):
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
 
 
 def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> torch.Tensor:
@@ -413,17 +442,17 @@ def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> tor
 
 
 class PositionLog:
-    """Position ids of every cached token, shared by all layers of a cache (int32 `[batch, seq]`).
+    """Position ids of every cached token, shared by all layers of a cache (int32 `[batch, seq]`, counted in bytes).
 
-    Pre-RoPE coding needs each token's position to rotate its reconstruction forward again; the first layer to see
-    a token records it, so the cost is paid once per cache, not once per layer.
+    Pre-RoPE coding needs each token's position to turn its reconstruction forward again; the first layer to see
+    a token records it, so the cost is paid once per cache, not once per layer. RoPE angles are computed from these
+    ids where needed (kernels, references): no table is kept. Ids are appended in place into a buffer with room (as
+    `codecs.base.GrowingRows` does), so that recording a token copies nothing most of the time.
     """
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
-        # Per RoPE (rotary module, layer kind, head_dim): channel-major fp32 cos and sin of the positions so far,
-        # `[batch, head_dim, capacity]`, how many are filled, and whether the two halves of every row are equal.
-        self._tables: dict[tuple, list] = {}
+        self._buffer: torch.Tensor | None = None
 
     def record(self, start: int, new: int, ids: torch.Tensor) -> None:
         have = 0 if self.ids is None else self.ids.shape[1]
@@ -432,58 +461,32 @@ class PositionLog:
         if have != start:
             raise ValueError(f"position log holds {have} tokens but a layer appended at {start}")
         ids = ids.to(torch.int32)
-        self.ids = ids.clone() if self.ids is None else torch.cat([self.ids, ids], dim=1)
-
-    def cos_sin(
-        self, rope: RopeInverter, begin: int, end: int, head_dim: int, compact: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE cos/sin of tokens `begin:end`, computed once per position and shared by every layer that asks.
-
-        fp32 `[batch, 1, end - begin, head_dim]` views of channel-major tables (what the CPU attention kernel reads),
-        extended as positions are recorded. With `compact`, and when both halves of every row are equal
-        (rotate-half RoPE), only the first half `[..., head_dim / 2]`. A working buffer, not cache storage, so not
-        counted in `nbytes`.
-        """
-        key = (id(rope.rotary_emb), tuple(sorted(rope.extra.items())), head_dim)
-        entry = self._tables.get(key)
-        if entry is None or entry[0].shape[0] != self.ids.shape[0]:
-            batch = self.ids.shape[0]
-            empty = torch.empty(batch, head_dim, 0, device=self.ids.device)
-            entry = self._tables[key] = [empty, empty.clone(), 0, True]
-        cos_table, sin_table, filled, tied = entry
-        if filled < end:
-            cos, sin = (t[:, 0].transpose(1, 2) for t in rope.cos_sin(self.ids[:, filled:end], head_dim))
-            if cos_table.shape[2] < end:  # grow by doubling: appending a position is amortised O(1)
-                capacity = max(end, 2 * cos_table.shape[2], 64)
-                grown = [t.new_empty(t.shape[0], head_dim, capacity) for t in (cos_table, sin_table)]
-                for new, old in zip(grown, (cos_table, sin_table), strict=True):
-                    new[:, :, :filled] = old[:, :, :filled]
-                cos_table, sin_table = grown
-            cos_table[:, :, filled:end], sin_table[:, :, filled:end] = cos, sin
-            half = head_dim // 2
-            tied = tied and all(torch.equal(t[:, :half], t[:, half:]) for t in (cos, sin))
-            entry[:] = [cos_table, sin_table, end, tied]
-        width = head_dim // 2 if compact and tied else head_dim
-        return tuple(t[:, None, :width, begin:end].transpose(-1, -2) for t in (cos_table, sin_table))
-
-    def _forget_tables(self) -> None:
-        self._tables = {}
+        buffer = self._buffer
+        if (
+            self.ids is None
+            or buffer is None
+            or buffer.shape[1] < have + new
+            or self.ids.data_ptr() != buffer.data_ptr()
+        ):
+            room = 0 if self.ids is None else max(ROOM_MIN, (have + new) // ROOM_FRACTION)
+            buffer = ids.new_empty(ids.shape[0], have + new + room)
+            if self.ids is not None:
+                buffer[:, :have] = self.ids
+            self._buffer = buffer
+        buffer[:, have : have + new] = ids
+        self.ids = buffer[:, : have + new]
 
     def nbytes(self) -> int:
-        return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
+        return nbytes_of(self.ids)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.ids is not None:
-            self.ids = fn(self.ids)
-        self._forget_tables()
+            self.ids, self._buffer = fn(self.ids), None
 
     def truncate(self, tokens: int) -> None:
         """Forget the positions from `tokens` on (a crop); every layer shares this log, so the first one cuts it."""
         if self.ids is not None and self.ids.shape[1] > tokens:
-            self.ids = self.ids[:, :tokens]
-            for entry in self._tables.values():
-                entry[2] = min(entry[2], tokens)
+            self.ids, self._buffer = owned(self.ids[:, :tokens]), None
 
     def reset(self) -> None:
-        self.ids = None
-        self._forget_tables()
+        self.ids = self._buffer = None

@@ -10,7 +10,7 @@ from .. import kernels
 from ..codecs.adaptive import pair_energy
 from ..codecs.base import StreamCodec
 from ..kernels.online_softmax import CHUNK_TOKENS
-from ..rope import RopeInverter, apply_rope
+from ..rope import RopeForm
 from .base import PositionLog, StreamLayer
 
 
@@ -21,7 +21,7 @@ class CompressedLayer(StreamLayer):
         key_codec: factory of the keys' codec.
         value_codec: factory of the values' codec.
         sink_tokens: number of first tokens kept raw (attention sinks), in the model's dtype or fp16 if wider.
-        rope: when given, keys are coded before RoPE (see `hf_deltakv.rope`).
+        rope: when given, keys are coded before RoPE, in its canonical channel order (see `hf_deltakv.rope`).
         positions: a shared log of position ids (needed with `rope`), one per cache.
         window: the layer's sliding window (None: full attention).
     """
@@ -31,7 +31,7 @@ class CompressedLayer(StreamLayer):
         key_codec: Callable[[], StreamCodec],
         value_codec: Callable[[], StreamCodec],
         sink_tokens: int = 0,
-        rope: RopeInverter | None = None,
+        rope: RopeForm | None = None,
         positions: PositionLog | None = None,
         window: int | None = None,
     ) -> None:
@@ -50,7 +50,7 @@ class CompressedLayer(StreamLayer):
     def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
         keys = keys.float()
         if self.rope is not None:
-            keys = self.rope.undo(keys, *self._cos_sin(begin, begin + keys.shape[2]))
+            keys = self.rope.undo(keys, self.positions.ids[:, begin : begin + keys.shape[2]])
         self.key_codec.append(keys)
         self.value_codec.append(values.float())
 
@@ -63,11 +63,11 @@ class CompressedLayer(StreamLayer):
             return None
         keys = self.key_codec.decode()
         if self.rope is not None:
-            keys = self.rope.redo(keys, *self._cos_sin(self._stream_begin(), self.cumulative_length))
+            keys = self.rope.redo(keys, self.positions.ids[:, self._stream_begin() : self.cumulative_length])
         return keys, self.value_codec.decode()
 
     def _observe_queries(self, query: torch.Tensor, positions: int) -> None:
-        energy = pair_energy(query)  # [batch, heads, rows, dim]
+        energy = pair_energy(self.rope.to_canonical(query) if self.rope is not None else query)  # [B, H, rows, D]
         batch, heads, rows, dim = energy.shape
         if positions == 1:  # every row is a query head of the newest position
             energy = energy.reshape(batch, self.kv_heads, -1, dim).mean(2, keepdim=True)
@@ -82,21 +82,23 @@ class CompressedLayer(StreamLayer):
             return super().attend(query, mask, scale)
         batch, q_heads, n, dim = query.shape
         mask = self._stored_mask(mask, n)
-        cos, sin = self._stream_rope(compact=True)
+        rope = None
         group = q_heads // self.kv_heads
         if self.sink_keys is not None:
             sink_keys, sink_values = self.sink_keys, self.sink_values
         else:
             sink_keys = query.new_empty(batch, self.kv_heads, 0, dim)
             sink_values = query.new_empty(batch, self.kv_heads, 0, self.value_dim)
+        if self.rope is not None:  # stored keys are canonical: so are the queries and sinks they meet (q.k is kept)
+            rope = self._rope_angles(self._stream_begin(), self.cumulative_length)
+            query, sink_keys = self.rope.to_canonical(query), self.rope.to_canonical(sink_keys)
         out = kernels.stream_attention(
             query.reshape(batch, self.kv_heads, group * n, dim),
             sink_keys,
             sink_values,
             self.key_codec.layout(),
             self.value_codec.layout(),
-            cos,
-            sin,
+            rope,
             mask[:, 0] if mask is not None else None,
             n,
             self.cumulative_length - self._first_stored() - n,
@@ -105,22 +107,15 @@ class CompressedLayer(StreamLayer):
         return out.reshape(batch, q_heads, n, self.value_dim)
 
     def _stream_chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys (RoPE re-applied) and values of the stored stream, `CHUNK_TOKENS` at a time."""
-        cos, sin = self._stream_rope()
+        """Keys (RoPE re-applied, in the model's channel order) and values of the stored stream, `CHUNK_TOKENS` at a
+        time."""
+        begin = self._stream_begin()
         for start in range(0, self.key_codec.length, CHUNK_TOKENS):
             end = min(start + CHUNK_TOKENS, self.key_codec.length)
             keys = self.key_codec.decode_range(start, end)
-            if cos is not None:
-                keys = apply_rope(keys, cos[:, None, start:end], sin[:, None, start:end])
+            if self.rope is not None:
+                keys = self.rope.redo(keys, self.positions.ids[:, begin + start : begin + end])
             yield keys, self.value_codec.decode_range(start, end)
-
-    def _stream_rope(self, compact: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """cos, sin `[batch, stored tokens, head_dim]` of the stream's stored tokens (None without pre-RoPE keys);
-        `compact`: see `PositionLog.cos_sin`."""
-        if self.rope is None:
-            return None, None
-        cos, sin = self._cos_sin(self._stream_begin(), self.cumulative_length, compact)
-        return cos[:, 0], sin[:, 0]
 
     def _drop_stream_front(self, tokens: int) -> int:
         """Drop whole pieces both codecs can drop (the smaller of what each can), so they stay aligned."""
@@ -136,8 +131,8 @@ class CompressedLayer(StreamLayer):
         self.key_codec.truncate(tokens)
         self.value_codec.truncate(tokens)
 
-    def _stream_nbytes(self) -> int:
-        return self.key_codec.nbytes() + self.value_codec.nbytes()
+    def _stream_held(self) -> list:
+        return [*self.key_codec.held(), *self.value_codec.held()]
 
     def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.key_codec.map_batch(fn)

@@ -5,12 +5,14 @@ from .blocks import (
     QuantizedTensor,
     dequantize,
     nbytes_of,
+    owned,
     quantize,
     quantize_f16,
     quantize_q3_0,
     quantize_q4_0,
     quantize_q4_1,
     quantize_q8_0,
+    saturate_fp16,
 )
 from .packing import pack_3bit, pack_4bit, unpack_3bit, unpack_4bit
 from .table import FORMATS, SEARCHABLE_KINDS, BlockFormat, Kind, get_format
@@ -25,6 +27,7 @@ __all__ = [
     "dequantize",
     "get_format",
     "nbytes_of",
+    "owned",
     "pack_3bit",
     "pack_4bit",
     "quantize",
@@ -33,6 +36,7 @@ __all__ = [
     "quantize_q4_0",
     "quantize_q4_1",
     "quantize_q8_0",
+    "saturate_fp16",
     "unpack_3bit",
     "unpack_4bit",
 ]

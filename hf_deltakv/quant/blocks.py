@@ -21,6 +21,11 @@ from .table import SEARCHABLE_KINDS, BlockFormat, Kind, get_format
 FP16_MAX = torch.finfo(torch.float16).max  # 65504: fp16's largest finite value, where scales saturate
 
 
+def saturate_fp16(x: torch.Tensor) -> torch.Tensor:
+    """`x` in fp16, saturating at ±65504 instead of overflowing to ±inf (NaN stays NaN): finite in, finite out."""
+    return x.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+
+
 @dataclass
 class QuantizedTensor:
     """Packed storage of a tensor `[*lead, dim]` in one block format.
@@ -62,24 +67,45 @@ class QuantizedTensor:
 
 
 def nbytes_of(obj) -> int:
-    """Bytes of every tensor in `obj`: a tensor, a `QuantizedTensor`, or nested tuples, lists and dicts of them.
+    """Bytes of memory held by the tensors in `obj`: a tensor, a `QuantizedTensor`, or nested tuples, lists and
+    dicts of them.
 
-    The one byte counter of the package (codecs, cache layers, the residual cache, and other libraries' caches in
-    evaluation). Tensor subclasses such as optimum-quanto's packed tensors are opened to their inner tensors, so
-    packed codes count at their real size.
+    What is counted is each tensor's storage, once per storage: a view into a larger buffer (room kept for appends)
+    counts the whole buffer, a slice that keeps a dropped part alive counts that part, and tensors sharing a storage
+    count it once. The one byte counter of the package (codecs, cache layers, the residual cache, and other
+    libraries' caches in evaluation). Tensor subclasses such as optimum-quanto's packed tensors are opened to their
+    inner tensors, so packed codes count at their real size.
     """
+    storages: dict[int, int] = {}
+    _storages(obj, storages)
+    return sum(storages.values())
+
+
+def _storages(obj, storages: dict[int, int]) -> None:
+    """Record the storage (address -> bytes) of every tensor in `obj`."""
     if isinstance(obj, QuantizedTensor):
-        return obj.nbytes()
-    if isinstance(obj, torch.Tensor):
+        _storages(obj.tensors(), storages)
+    elif isinstance(obj, torch.Tensor):
         if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
             names, _ = obj.__tensor_flatten__()
-            return sum(nbytes_of(getattr(obj, name)) for name in names)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(nbytes_of(item) for item in obj)
-    if isinstance(obj, dict):
-        return sum(nbytes_of(item) for item in obj.values())
-    return 0
+            _storages([getattr(obj, name) for name in names], storages)
+            return
+        storage = obj.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        storages[key] = max(storages.get(key, 0), storage.nbytes())
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _storages(item, storages)
+    elif isinstance(obj, dict):
+        _storages(list(obj.values()), storages)
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` holding only its own elements: a compact copy when it is a view into a larger storage (what a slice that
+    drops tokens leaves), so that dropped data is freed and no byte is held that is not counted as the tensor's."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -200,7 +226,7 @@ def quantize_f16(x: torch.Tensor) -> QuantizedTensor:
     """Plain fp16 storage (the unquantized baseline), saturating like the block formats."""
     _check_float(x)
     y = x.float()
-    y = torch.where(torch.isfinite(y), y.clamp(-FP16_MAX, FP16_MAX), y)
+    y = torch.where(torch.isfinite(y), y.clamp(-FP16_MAX, FP16_MAX), y)  # ±inf stays ±inf: only finite values saturate
     return QuantizedTensor(get_format("f16"), x.shape[-1], y.to(torch.float16))
 
 

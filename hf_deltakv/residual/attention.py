@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.layout import RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
 from ..quant.bitpack import GROUP
 from .compressor import LayerCompressor
@@ -78,7 +79,8 @@ def attend_coded(
     scales: torch.Tensor,
     first: int,
     kv_heads: int,
-    rope_tables: Callable[[int, int], tuple[torch.Tensor | None, torch.Tensor | None]],
+    rope: Callable[[int, int], RopeAngles | None],
+    canonical: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Fold coded tokens into `state`.
 
@@ -89,8 +91,9 @@ def attend_coded(
             zero (no references).
         first: the position of the first coded token in `state`'s key order.
         kv_heads: heads per token.
-        rope_tables: `rope_tables(begin, end)`: channel-major cos and sin `[batch, dim | dim / 2, end - begin]` of
-            coded tokens `begin:end` (see `kernels.latent_attention`), or None, None without RoPE.
+        rope: `rope(begin, end)`: the RoPE of coded tokens `begin:end` (see `kernels.latent_attention`), or None
+            without RoPE.
+        canonical: the RoPE's channel order applied to queries (the coded keys are in it), or None: the model's.
     """
     half = len(bits) // 2
     key_depths, value_depths = tuple(bits[:half]), tuple(bits[half:])
@@ -115,6 +118,8 @@ def attend_coded(
     query = state.grouped(kv_heads)
     batch, _, group, n, dim = query.shape
     rows = query.reshape(batch, kv_heads, group * n, dim)
+    if canonical is not None:
+        rows = canonical(rows)
     total = codes.shape[1]
     for start in range(0, total, CHUNK_TOKENS):
         end = min(start + CHUNK_TOKENS, total)
@@ -129,10 +134,9 @@ def attend_coded(
         allowed = state.allowed(first + start, first + end, kv_heads, codes.device)
         if allowed is not None:
             allowed = allowed.expand(batch, kv_heads, group, n, end - start).reshape(batch, kv_heads, group * n, -1)
-        cos, sin = rope_tables(start, end)
         value_codes, value_scales = codes[:, start:end, key_bytes:], scales[:, start:end, key_scales:]
         maximum, weight, latent_acc = kernels.latent_attention(
-            rows, keys, cos, sin, allowed, value_codes, value_scales, value_bits, state.scale, key_mean
+            rows, keys, rope(start, end), allowed, value_codes, value_scales, value_bits, state.scale, key_mean
         )
         acc = torch.matmul(latent_acc, value_decoder) + weight[..., None] * value_mean[:, None]
         shape = (batch, kv_heads, group, n)

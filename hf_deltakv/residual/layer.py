@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels.layout import RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
 from ..layers import PositionLog, StreamLayer
-from ..quant import QuantizedTensor, nbytes_of
-from ..rope import RopeInverter
+from ..quant import QuantizedTensor, owned
+from ..rope import RopeForm
 from .attention import attend_coded
 from .codec import decode_residuals, encode_residuals
 from .compressor import LayerCompressor, ResidualLayout
@@ -42,7 +43,7 @@ class ResidualLayer(StreamLayer):
         compressor: LayerCompressor,
         bits: list[int],
         layout: ResidualLayout,
-        rope: RopeInverter | None = None,
+        rope: RopeForm | None = None,
         positions: PositionLog | None = None,
         window: int | None = None,
     ) -> None:
@@ -67,7 +68,7 @@ class ResidualLayer(StreamLayer):
                 )
 
     def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
-        keys, values = keys.to(self.sink_dtype), values.to(self.sink_dtype)
+        keys, values = self._to_sink(keys), self._to_sink(values)  # raw, saturating as sinks do
         if self.window_keys is None:
             self.window_keys, self.window_values = keys.clone(), values.clone()
         else:
@@ -80,12 +81,12 @@ class ResidualLayer(StreamLayer):
     def _compress(self, n: int) -> None:
         """Move the oldest `n` window tokens into reference or residual storage."""
         keys, values = self.window_keys[:, :, :n].float(), self.window_values[:, :, :n].float()
-        self.window_keys = self.window_keys[:, :, n:].contiguous()
-        self.window_values = self.window_values[:, :, n:].contiguous()
+        self.window_keys = owned(self.window_keys[:, :, n:])
+        self.window_values = owned(self.window_values[:, :, n:])
         # Tokens leave the window during an update, before cumulative_length counts the new ones; the sinks are full.
         begin = self.sink_tokens + self.compressed
         if self.rope is not None:
-            keys = self.rope.undo(keys, *self._cos_sin(begin, begin + n))
+            keys = self.rope.undo(keys, self.positions.ids[:, begin : begin + n])
         if self.layout.stride == 0:  # no references: every token coded against zero (split_tokens' answer, cheaper)
             self._append_codes(
                 *encode_residuals(self.compressor, self.bits, heads_to_tokens(keys), heads_to_tokens(values))
@@ -131,7 +132,7 @@ class ResidualLayer(StreamLayer):
             keys = tokens_to_heads(x[..., :dim], self.kv_heads)
             if self.rope is not None:
                 begin = self.sink_tokens
-                keys = self.rope.redo(keys, *self._cos_sin(begin, begin + self.compressed))
+                keys = self.rope.redo(keys, self.positions.ids[:, begin : begin + self.compressed])
             keys_parts.append(keys)
             value_parts.append(tokens_to_heads(x[..., dim:], self.kv_heads))
         if self.window_keys is not None and self.window_keys.shape[2]:
@@ -151,14 +152,12 @@ class ResidualLayer(StreamLayer):
         if self.sink_keys is not None:
             state.add(self.sink_keys, self.sink_values)
 
-        def rope_tables(begin: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            if self.rope is None:
-                return None, None
-            cos, sin = self._cos_sin(self.sink_tokens + begin, self.sink_tokens + end, compact=True)
-            return cos[:, 0].transpose(1, 2), sin[:, 0].transpose(1, 2)  # channel-major views of the shared tables
+        def rope(begin: int, end: int) -> RopeAngles | None:
+            return None if self.rope is None else self._rope_angles(self.sink_tokens + begin, self.sink_tokens + end)
 
         first = self.sink_tokens - offset
-        attend_coded(state, self.compressor, self.bits, self.codes, self.scales, first, self.kv_heads, rope_tables)
+        canonical = self.rope.to_canonical if self.rope is not None else None
+        attend_coded(state, self.compressor, self.bits, self.codes, self.scales, first, self.kv_heads, rope, canonical)
         if self.window_keys is not None and self.window_keys.shape[2]:
             state.add(self.window_keys, self.window_values, start=first + self.compressed)
         return state.result()
@@ -172,14 +171,14 @@ class ResidualLayer(StreamLayer):
             )
         keep = tokens - self.compressed
         if self.window_keys is not None:
-            self.window_keys = self.window_keys[:, :, :keep]
-            self.window_values = self.window_values[:, :, :keep]
+            self.window_keys = owned(self.window_keys[:, :, :keep])
+            self.window_values = owned(self.window_values[:, :, :keep])
 
     def _stored(self) -> list:
         return [self.window_keys, self.window_values, self.references, self.codes, self.scales, self.reference_ids]
 
-    def _stream_nbytes(self) -> int:
-        return nbytes_of(self._stored())
+    def _stream_held(self) -> list:
+        return self._stored()
 
     def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.window_keys is not None:

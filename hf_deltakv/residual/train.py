@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from ..rope import RopeInverter, find_rotary_embedding
+from ..cache import rope_forms
+from ..rope import RopeForm
 from .checkpoint import load_compressor, save_compressor
 from .compressor import ResidualCompressor, ResidualLayout
 from .fit import fit_compressor
@@ -43,25 +44,27 @@ LOG_NAME = "loss_log.jsonl"
 class TrainingCache(DynamicCache):
     """A one-forward cache that hands attention the differentiable reconstruction of each layer's window."""
 
-    def __init__(self, compressor: ResidualCompressor, layout: ResidualLayout, rotary: nn.Module | None) -> None:
+    def __init__(
+        self, compressor: ResidualCompressor, layout: ResidualLayout, forms: list[RopeForm | None] | None
+    ) -> None:
         super().__init__()
         self.compressor, self.layout = compressor, layout
-        self.rope = RopeInverter(rotary) if rotary is not None else None
+        self.forms = forms  # each layer's RoPE (`cache.rope_forms`): keys are coded before it, as the cache does
         self.errors: list[torch.Tensor] = []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx in self.compressor.config.uncompressed_layers:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         keys = key_states.float()
-        if self.rope is not None:
+        rope = self.forms[layer_idx] if self.forms is not None else None
+        if rope is not None:
             positions = torch.arange(keys.shape[2], device=keys.device).unsqueeze(0)
-            cos, sin = self.rope.cos_sin(positions, keys.shape[-1])
-            keys = self.rope.undo(keys, cos, sin)
+            keys = rope.undo(keys, positions)
         layer = self.compressor.layers[layer_idx]
         bits = self.compressor.config.bits[layer_idx]
         keys, values, error = code_window(layer, bits, self.layout, keys, value_states)
-        if self.rope is not None:
-            keys = self.rope.redo(keys, cos, sin)
+        if rope is not None:
+            keys = rope.redo(keys, positions)
         self.errors.append(error)
         return super().update(keys.to(key_states.dtype), values.to(value_states.dtype), layer_idx, *args, **kwargs)
 
@@ -117,11 +120,11 @@ def validation_kl(
     model: nn.Module, compressor: ResidualCompressor, layout: ResidualLayout, windows: list[torch.Tensor]
 ) -> float:
     """Mean KL divergence from the uncompressed model over `windows`, through the coded cache (no gradients)."""
-    rotary = find_rotary_embedding(model)
+    forms = rope_forms(model)
     total = 0.0
     for ids in windows:
         reference = model(ids).logits[0, :-1].float().log_softmax(-1)
-        coded = model(ids, cache=TrainingCache(compressor, layout, rotary), use_cache=True).logits
+        coded = model(ids, cache=TrainingCache(compressor, layout, forms), use_cache=True).logits
         logprobs = coded[0, :-1].float().log_softmax(-1)
         total += nn.functional.kl_div(logprobs, reference, log_target=True, reduction="batchmean").item()
     return total / len(windows)
@@ -216,7 +219,7 @@ def train_residual(
     optimizer = torch.optim.AdamW(compressor.parameters(), lr=config.lr, weight_decay=0.0)
     if start_step:
         _load_optimizer(out, optimizer)
-    rotary = find_rotary_embedding(model)
+    forms = rope_forms(model)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -241,7 +244,7 @@ def train_residual(
             with torch.no_grad():
                 reference_logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
                 reference = nn.functional.nll_loss(reference_logprobs, ids[0, 1:]).item()
-            cache = TrainingCache(compressor, layout, rotary)
+            cache = TrainingCache(compressor, layout, forms)
             logprobs = model(ids, cache=cache, use_cache=True).logits[0, :-1].float().log_softmax(-1)
             ce = nn.functional.nll_loss(logprobs, ids[0, 1:])
             kl = nn.functional.kl_div(logprobs, reference_logprobs, log_target=True, reduction="batchmean")

@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "rope.h"
 #include "softmax.h"
 
 #if !defined(HFD_LATENT_GROUP)
@@ -288,13 +289,13 @@ std::vector<at::Tensor> quantize_latent(at::Tensor latent, std::vector<int64_t> 
 
 // Softmax statistics of queries over a chunk of residual-coded tokens whose values stay latent (specification:
 // hf_deltakv.kernels.reference.latent_attention). rows [B, H, R, D] fp32; keys [B, c, H * D] fp32 or bf16 before RoPE,
-// key_mean [H * D] fp32 added to them (or empty); cos, sin
-// channel-major [B, W, c] (W = D, or D / 2 for tied rotate-half tables) or empty; allowed bool [B, H, R, c] or empty;
+// key_mean [H * D] fp32 added to them (or empty); positions int32
+// [B, c] (rows contiguous) and freqs float64 [D / 2] of their RoPE (rope.h), or both empty; allowed bool [B, H, R, c] or empty;
 // codes uint8 [B, c, bytes] and scales fp16 [B, c, kept] (rows contiguous, any batch and token strides) of the value
 // latents at depths `bits` (depth 0: a group of zeros). Returns max, weight [B, H, R] and acc [B, H, R, L]. Work is
 // split over batch and token ranges (each decodes a token's latent once for every head), their statistics merged.
 std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::Tensor key_mean,
-                                            at::Tensor cos, at::Tensor sin, at::Tensor allowed,
+                                            at::Tensor positions, at::Tensor freqs, at::Tensor allowed,
                                             at::Tensor codes, at::Tensor scales, std::vector<int64_t> bits,
                                             double scale) {
   rows = rows.contiguous(), keys = keys.contiguous();
@@ -316,15 +317,17 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
   TORCH_CHECK(codes.size(0) == B && codes.size(1) == C && codes.size(2) == code_bytes && scales.size(0) == B &&
                   scales.size(1) == C && scales.size(2) == kept,
               "codes, scales and keys cover different tokens, or codes do not match the bit depths");
-  const bool rope = cos.numel() > 0;
+  const bool rope = positions.numel() > 0;
   if (rope) {
-    TORCH_CHECK(cos.stride(2) == 1 && sin.strides() == cos.strides() && cos.size(2) == C,
-                "RoPE tables must be channel-major [B, W, tokens]");
-    TORCH_CHECK(cos.size(1) == D || cos.size(1) * 2 == D, "RoPE tables of another head dimension");
+    TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.stride(1) == 1 &&
+                    positions.size(0) == B && positions.size(1) == C,
+                "positions must be int32 [batch, tokens] with contiguous rows");
+    TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.is_contiguous() && freqs.numel() * 2 == D,
+                "freqs must be float64 [head_dim / 2]");
   }
   const bool masked = allowed.numel() > 0;
   if (masked) allowed = allowed.to(at::kBool).contiguous();
-  const int64_t half = D / 2, second = rope && cos.size(1) == D ? half : 0;
+  const int64_t half = D / 2;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((C + 255) / 256, 2 * at::get_num_threads()));
   const int64_t span = (C + splits - 1) / splits;
   auto part_max = at::full({B, splits, HR}, NEG_INF, rows.options());
@@ -335,8 +338,8 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
   const float* pk32 = bf16_keys ? nullptr : keys.data_ptr<float>();
   const at::BFloat16* pk16 = bf16_keys ? keys.data_ptr<at::BFloat16>() : nullptr;
   const float* pmean = centered ? key_mean.data_ptr<float>() : nullptr;
-  const float* pc = rope ? cos.data_ptr<float>() : nullptr;
-  const float* ps = rope ? sin.data_ptr<float>() : nullptr;
+  const int32_t* ppos = rope ? positions.data_ptr<int32_t>() : nullptr;
+  const double* pfreq = rope ? freqs.data_ptr<double>() : nullptr;
   const bool* pa = masked ? allowed.data_ptr<bool>() : nullptr;
   const uint8_t* pcode = codes.data_ptr<uint8_t>();
   const at::Half* pscale = scales.data_ptr<at::Half>();
@@ -347,7 +350,7 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     // Per-thread working buffers kept between calls: freshly allocated, a quarter-megabyte buffer is new pages (the
     // kernel zeroes them) at every decode step of every layer.
-    thread_local std::vector<float> keys_t, latent, scores;
+    thread_local std::vector<float> keys_t, latent, scores, rope_cos, rope_sin;
     latent.resize(VALUE_BLOCK * L);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits, split = task % splits;
@@ -355,13 +358,18 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
       if (n <= 0) continue;
       keys_t.resize(D * n);
       scores.assign(HR * n, 0.f);
+      if (rope) {  // the task's RoPE angles, channel-major [half][n], shared by its heads
+        rope_cos.resize(half * n), rope_sin.resize(half * n);
+        hfd::RopeRun(pfreq, static_cast<int>(half)).fill(ppos + b * positions.stride(0) + t0, n, rope_cos.data(),
+                                                         rope_sin.data(), n);
+      }
       for (int64_t h = 0; h < H; ++h) {
         // This head's keys channel-major [D][n], RoPE re-applied (the tables are channel-major too).
         const int64_t first = (b * C + t0) * H * D + h * D;
         const float* mean = centered ? pmean + h * D : nullptr;
-        const float* cl = rope ? pc + b * cos.stride(0) + t0 : nullptr;
-        const float* sl = rope ? ps + b * cos.stride(0) + t0 : nullptr;
-        const ChannelMajor layout{n, H * D, half, second, rope ? cos.stride(1) : 0};
+        const float* cl = rope ? rope_cos.data() : nullptr;
+        const float* sl = rope ? rope_sin.data() : nullptr;
+        const ChannelMajor layout{n, H * D, half, 0, rope ? n : 0};
         if (bf16_keys) {
           channel_major_keys(pk16 + first, mean, cl, sl, layout, keys_t.data());
         } else {

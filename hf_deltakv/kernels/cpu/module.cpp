@@ -11,7 +11,7 @@
 #include <tuple>
 
 at::Tensor stream_attention(at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout,
-                               py::object value_layout, at::Tensor cos, at::Tensor sin, at::Tensor mask,
+                               py::object value_layout, at::Tensor positions, at::Tensor freqs, at::Tensor mask,
                                int64_t n_queries, int64_t causal_offset, double scale, int64_t split);
 std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
@@ -24,7 +24,7 @@ at::Tensor dequantize_latent(at::Tensor packed, at::Tensor scales, std::vector<i
 std::vector<at::Tensor> quantize_latent(at::Tensor latent, std::vector<int64_t> bits);
 bool vector_latent_decode(bool enabled);
 std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::Tensor key_mean,
-                                            at::Tensor cos, at::Tensor sin, at::Tensor allowed,
+                                            at::Tensor positions, at::Tensor freqs, at::Tensor allowed,
                                             at::Tensor codes, at::Tensor scales, std::vector<int64_t> bits,
                                             double scale);
 

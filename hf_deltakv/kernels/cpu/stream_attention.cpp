@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "rope.h"
 #include "softmax.h"
 
 namespace {
@@ -575,14 +576,13 @@ void tile_scores(const float* kt, const float* q, int64_t rows, int cols, float*
 
 struct Args {
   const float* q;
-  const float* cos;
-  const float* sin;
+  const int32_t* positions;  // of the stream's tokens [B, L] (rows `positions_stride` apart), or null: no RoPE
+  const double* freqs;       // [D / 2]: radians per position of each canonical pair
+  int64_t positions_stride = 0;
   const uint8_t* mask;
   const uint8_t* mask_base;  // mask of all tokens, sinks first
   int64_t heads, rows, n_queries, causal_offset, length, split, splits, sinks, mask_length;
-  int64_t rope_batch_stride = 0, rope_row_stride = 0;
-  bool rope_tied = false;
-  int64_t heads_total = 0;  // batch * heads: items run split-major, so the heads of a split share its RoPE rows
+  int64_t heads_total = 0;  // batch * heads: items run split-major
   float scale, key_scale;  // key_scale: scale times the Hadamard normalisation of the keys
   float *part_acc, *part_max, *part_sum;
 };
@@ -605,6 +605,8 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   alignas(64) float kt[D * TILE];      // channel-major: rotation, RoPE and scores vectorise over tokens
   alignas(64) float v_tile[TILE * D];
   alignas(64) float k_run[D], v_run[D], scratch[D];
+  alignas(64) float rope_cos[D / 2 * TILE], rope_sin[D / 2 * TILE];  // channel-major: pair c of token j at c * TILE + j
+  hfd::RopeRun rope(a.freqs, a.freqs ? D / 2 : 0);  // (no pairs without RoPE)
   Cursor k_cur, v_cur;
   k_cur.start(t_begin, keys.kf);
   v_cur.start(t_begin, values.kf);
@@ -633,23 +635,20 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       transpose_tile<D>(k_tile, kt);
       hadamard_tile<D>(kt, keys.rotation);
     }
-    if (a.cos) {
-      // cos/sin are channel-major [B, rows, L] (any batch and row strides): row c holds channel c of every token;
-      // with tied halves only the first D/2 rows are given (rotate-half RoPE repeats them).
+    if (a.positions) {
+      // RoPE re-applied to the canonical pairs c, c + D/2 (rope.h: angles from the positions, none stored).
       constexpr int HALF = D / 2;
-      const int64_t base = b * a.rope_batch_stride + t0, second = a.rope_tied ? 0 : HALF;
+      rope.fill(a.positions + b * a.positions_stride + t0, n_tok, rope_cos, rope_sin, TILE);
       for (int c = 0; c < HALF; ++c) {
         float* lo = kt + c * TILE;
         float* hi = kt + (c + HALF) * TILE;
-        const float* cl = a.cos + base + c * a.rope_row_stride;
-        const float* sl = a.sin + base + c * a.rope_row_stride;
-        const float* ch = a.cos + base + (c + second) * a.rope_row_stride;
-        const float* sh = a.sin + base + (c + second) * a.rope_row_stride;
+        const float* cs = rope_cos + c * TILE;
+        const float* sn = rope_sin + c * TILE;
 #pragma omp simd
         for (int j = 0; j < n_tok; ++j) {
           const float x = lo[j], y = hi[j];
-          lo[j] = x * cl[j] - y * sl[j];
-          hi[j] = y * ch[j] + x * sh[j];
+          lo[j] = x * cs[j] - y * sn[j];
+          hi[j] = y * cs[j] + x * sn[j];
         }
       }
     }
@@ -701,12 +700,13 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
 }  // namespace
 
 // Attention of the query rows over the raw sink tokens and the codec-stored stream, normalised: [B, Hkv, R, D].
-// query [B, Hkv, R, D] fp32 (row r = g * n + i); sink_k, sink_v fp32 [B, Hkv, S, D] (S may be 0); cos, sin [B, D, L]
-// fp32 channel-major or empty; mask [B, n, S + L] uint8 or empty (then causal: token u visible to query i when
-// u <= causal_offset + i, u counting the sinks). A row that may attend nothing gets zeros.
+// query [B, Hkv, R, D] fp32 (row r = g * n + i); sink_k, sink_v fp32 [B, Hkv, S, D] (S may be 0); positions int32
+// [B, L] (rows contiguous) and freqs float64 [D / 2] of the stored keys' RoPE, or both empty; mask [B, n, S + L] uint8
+// or empty (then causal: token u visible to query i when u <= causal_offset + i, u counting the sinks). A row that
+// may attend nothing gets zeros.
 at::Tensor stream_attention(
     at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout, py::object value_layout,
-    at::Tensor cos, at::Tensor sin, at::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
+    at::Tensor positions, at::Tensor freqs, at::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
     int64_t split) {
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t sinks = sink_k.size(2);
@@ -715,12 +715,15 @@ at::Tensor stream_attention(
   TORCH_CHECK(values.length == length, "keys and values hold different numbers of tokens");
   Args a;
   a.q = query.data_ptr<float>();
-  a.cos = cos.numel() ? cos.data_ptr<float>() : nullptr;
-  a.sin = sin.numel() ? sin.data_ptr<float>() : nullptr;
-  if (a.cos) {
-    TORCH_CHECK(cos.stride(2) == 1 && sin.strides() == cos.strides(), "RoPE tables must be channel-major [B, D, L]");
-    TORCH_CHECK(cos.size(1) == dim || cos.size(1) * 2 == dim, "RoPE tables of another head dimension");
-    a.rope_batch_stride = cos.stride(0), a.rope_row_stride = cos.stride(1), a.rope_tied = cos.size(1) * 2 == dim;
+  a.positions = nullptr, a.freqs = nullptr;
+  if (positions.numel()) {
+    TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.stride(1) == 1 &&
+                    positions.size(0) == batch && positions.size(1) == length,
+                "positions must be int32 [batch, stream tokens] with contiguous rows");
+    TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.is_contiguous() && freqs.numel() * 2 == dim,
+                "freqs must be float64 [head_dim / 2]");
+    a.positions = positions.data_ptr<int32_t>(), a.positions_stride = positions.stride(0);
+    a.freqs = freqs.data_ptr<double>();
   }
   a.mask_base = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
   a.mask = a.mask_base;

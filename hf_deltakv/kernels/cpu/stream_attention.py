@@ -44,29 +44,21 @@ def supports(keys: StreamLayout, values: StreamLayout) -> bool:
     return not (isinstance(keys, AdaptiveStream) and keys.offset and isinstance(values, DeltaStream))
 
 
-def _channel_major(table: torch.Tensor) -> torch.Tensor:
-    """`[batch, tokens, width]` as the kernel reads it: `[batch, width, tokens]` with tokens contiguous (a view of
-    `PositionLog`'s tables; copied only when given otherwise)."""
-    table = table.transpose(1, 2)
-    return table if table.stride(2) == 1 else table.contiguous()
-
-
 def stream_attention(
     query: torch.Tensor,
     sink_keys: torch.Tensor,
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    rope_arguments: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
     n_queries: int,
     causal_offset: int,
     scale: float,
     extension,
 ) -> torch.Tensor:
-    """Run the compiled kernel; arguments as in `reference.stream_attention` (the C++ side reads the layouts' fields
-    by name)."""
+    """Run the compiled kernel; arguments as in `reference.stream_attention`, the RoPE as (positions, freqs) tensors
+    (empty: none; `kernels._rope_arguments`), the C++ side reading the layouts' fields by name."""
     aligned = math.lcm(*(s.kf if isinstance(s, DeltaStream) else getattr(s, "group", 1) for s in (keys, values)))
     split = -(-TOKENS_PER_ITEM // aligned) * aligned  # delta streams: every work item starts on a keyframe
     return extension.stream_attention(
@@ -75,8 +67,7 @@ def stream_attention(
         sink_values.float().contiguous(),
         keys,
         values,
-        _channel_major(cos) if cos is not None else EMPTY_FLOAT,
-        _channel_major(sin) if sin is not None else EMPTY_FLOAT,
+        *rope_arguments,
         mask.to(torch.uint8).contiguous() if mask is not None else EMPTY_BYTES,
         n_queries,
         causal_offset,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import DeltaStream, PlainStream, StreamLayout
+from ..layout import DeltaStream, PlainStream, RopeAngles, StreamLayout
 from ..online_softmax import OnlineSoftmax
 
 
@@ -15,8 +15,7 @@ def stream_attention(
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    rope: RopeAngles | None,
     mask: torch.Tensor | None,
     n_queries: int,
     causal_offset: int,
@@ -26,7 +25,9 @@ def stream_attention(
     sink tokens merged by the reference's online softmax; None when no kernel reads them."""
     if n_queries != 1 or not isinstance(values, PlainStream):
         return None
-    if cos is not None and cos.shape[-1] != query.shape[-1]:  # compact RoPE tables: the kernels read full rows
+    cos = sin = None
+    if rope is not None:  # full-width tables of this call only (the kernel reads rows of `dim`), on the device
+        cos, sin = rope.cos_sin()
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if isinstance(keys, DeltaStream):
         from .delta_attention import delta_attention, supports

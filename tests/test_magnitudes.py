@@ -1,0 +1,71 @@
+"""Finite in, finite out: keys and values of any magnitude fp32 holds, in every cache, decode to finite values whose
+error stays within the range of what was given (scales and ranges past fp16's ±65504 saturate there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache
+
+from .conftest import tiny_compressor, tiny_model
+
+CACHES = {
+    "fp16": lambda m: QuantizedKVCache("f16", "f16"),
+    "q8_0": lambda m: QuantizedKVCache("q8_0", "q8_0"),
+    "q4_0-rot": lambda m: QuantizedKVCache("q4_0", "q4_0", rotate=True),
+    "q4_1": lambda m: QuantizedKVCache("q4_1", "q4_1"),
+    "kivi": lambda m: KIVIKVCache(),
+    "kivi-pre-rope": lambda m: KIVIKVCache(model=m, pre_rope=True),
+    "delta": lambda m: DeltaKVCache(kf=8, model=m),
+    "delta-no-model": lambda m: DeltaKVCache(kf=32, sink_tokens=4),
+    "delta-3.5": lambda m: DeltaKVCache(kf=16, key_bits=2.75, values="q3_0"),
+    "delta-token": lambda m: DeltaKVCache(kf=8, keys="token", values="delta"),
+    "residual": lambda m: ResidualKVCache(model=m, compressor=tiny_compressor(m)),
+}
+_MODEL = []
+
+
+def model():
+    if not _MODEL:
+        _MODEL.append(tiny_model("llama"))
+    return _MODEL[0]
+
+
+@st.composite
+def states(draw):
+    """Keys or values `[1, 1, tokens, 32]`: normal noise times 10**e per channel (e in -30..30: every channel its own
+    magnitude, or all one), some channels offset."""
+    tokens = draw(st.integers(9, 40))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    mixed = draw(st.booleans())
+    exponents = (
+        torch.randint(-30, 31, (32,), generator=g) if mixed else torch.full((32,), draw(st.integers(-30, 30)))
+    )
+    x = torch.randn(1, 1, tokens, 32, generator=g) * (10.0 ** exponents.double()).float()
+    return x + (torch.rand(32, generator=g) < 0.2) * 3 * (10.0 ** exponents.double()).float()
+
+
+@pytest.mark.parametrize("name", CACHES)
+@settings(max_examples=25, deadline=None)
+@given(keys=states(), values=states())
+def test_finite_in_finite_out(name, keys, values):
+    tokens = min(keys.shape[2], values.shape[2])
+    keys, values = keys[:, :, :tokens], values[:, :, :tokens]
+    cache = CACHES[name](model())
+    split = tokens // 2
+    cache.update(keys[:, :, :split], values[:, :, :split], 0)
+    for t in range(split, tokens):  # decoding steps: the per-token paths
+        out_k, out_v = cache.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], 0)
+    for out, given_ in ((out_k, keys), (out_v, values)):
+        out = out.float()
+        assert torch.isfinite(out).all(), name
+        if name == "residual":  # a learned decoder adds the means it was trained with: not scale-free, finite
+            continue
+        span = (given_.amax() - given_.amin()).double()
+        assert (out.double() - given_.double()).abs().max() <= 2 * span, name  # never beyond the given range
+        if given_.abs().max() <= 1e4 and given_.abs().max() >= 1e-4:  # within fp16's range: a real quantizer's error
+            assert (out - given_).abs().max() <= 0.5 * span, name
