@@ -7,8 +7,18 @@ import torch
 import transformers
 
 # Shared by every family: 2 heads sharing 1 kv head (GQA) of 32 channels, a vocabulary of 128 (ids 3..127 are drawn).
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SLIDING = dict(sliding_window=8)
 
 # Family -> (config class, options beyond BASE). Windows of 8 tokens and chunks of 8: a 12-token prompt crosses them.
@@ -40,7 +50,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             **SLIDING,
             layer_types=["sliding_attention", "full_attention"],
         ),
-    ),  # fmt: skip
+    ),
     "llama4": (
         "Llama4TextConfig",
         dict(
@@ -53,7 +63,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             no_rope_layers=[1, 1, 1, 0],
             interleave_moe_layer_step=2,
         ),
-    ),  # fmt: skip
+    ),
     "deepseek-v3": (
         "DeepseekV3Config",
         dict(
@@ -70,7 +80,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             n_group=1,
             topk_group=1,
         ),
-    ),  # fmt: skip
+    ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=2, n_positions=512, n_inner=128)),
     "falcon": ("FalconConfig", dict(num_kv_heads=1, new_decoder_architecture=True, alibi=False)),
     "exaone4": ("Exaone4Config", dict(num_hidden_layers=4, **SLIDING, sliding_window_pattern=4)),
@@ -78,15 +88,45 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 
 # Families whose cache is not keys and values of every layer: refused when a cache is built, with the reason.
 REFUSED: dict[str, tuple[str, dict]] = {
-    "jamba": ("JambaConfig", dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                                  expert_layer_offset=1, mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False)),
-    "qwen3-next": ("Qwen3NextConfig", dict(num_experts=2, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1,
-                                           linear_key_head_dim=16, linear_value_head_dim=16)),
-    "gemma3n": ("Gemma3nTextConfig", dict(num_hidden_layers=4, num_kv_shared_layers=2, head_dim=32,
-                                          laurel_rank=8, hidden_size_per_layer_input=8, altup_num_inputs=2,
-                                          activation_sparsity_pattern=[0.0] * 4,
-                                          layer_types=["sliding_attention", "full_attention"] * 2, **SLIDING)),
-}  # fmt: skip
+    "jamba": (
+        "JambaConfig",
+        dict(
+            num_experts=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=4,
+            mamba_dt_rank=4,
+            use_mamba_kernels=False,
+        ),
+    ),
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        dict(
+            num_experts=2,
+            head_dim=32,
+            linear_num_value_heads=2,
+            linear_num_key_heads=1,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+    ),
+    "gemma3n": (
+        "Gemma3nTextConfig",
+        dict(
+            num_hidden_layers=4,
+            num_kv_shared_layers=2,
+            head_dim=32,
+            laurel_rank=8,
+            hidden_size_per_layer_input=8,
+            altup_num_inputs=2,
+            activation_sparsity_pattern=[0.0] * 4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            **SLIDING,
+        ),
+    ),
+}
 
 
 def family_config(name: str):
