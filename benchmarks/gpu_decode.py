@@ -25,6 +25,62 @@ import torch
 import torch.nn.functional as F
 from paths import RESULTS
 
+# Predicted decoding speed on GPUs from bytes alone: a decode step of batch 1 is bound by memory bandwidth, so it
+# takes (weights read + cache read) / bandwidth. Published peak bandwidths (an upper bound on tokens/s):
+GPU_BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12, "MI300X": 5.3e12}
+# Model shapes (weights read per step: every parameter but the embedding table, in bf16; the tied head is read).
+MODEL_SHAPES = {
+    "1B (Llama-3.2-1B)": {"layers": 16, "kv_heads": 8, "head_dim": 64, "weight_bytes": 2 * 1.236e9},
+    "8B (Llama-3.1-8B)": {"layers": 32, "kv_heads": 8, "head_dim": 128, "weight_bytes": 2 * (8.03e9 - 0.525e9)},
+}
+PREDICT_CONTEXTS = (8192, 32768, 131072)
+# Bits per cached element of each cache: fp16 for DynamicCache, the others as measured on SmolLM2
+# (benchmarks/results/quality.json and bit_tradeoff.json; `_measured_bits`).
+PREDICT_CACHES = {"dynamic (fp16)": None, "q8_0": "q8_0", "delta": "delta", "kivi-pre-rope": "kivi-pre-rope",
+                  "q4_0": "q4_0", "delta 3.5-bit": "delta:kf=64,key_bits=2.75,values=q3_0"}  # fmt: skip
+
+
+def _measured_bits() -> dict[str, float]:
+    """Bits per element by cache spec, from the committed quality tables (SmolLM2 rows)."""
+    bits = {}
+    for name in ("quality.json", "bit_tradeoff.json"):
+        path = RESULTS / name
+        if path.exists():
+            table = json.loads(path.read_text())
+            first = next(iter(table.values()))
+            bits.update({row["cache"]: row["bits_per_element"] for row in first["rows"]})
+    return bits
+
+
+def predicted_rows() -> list[dict]:
+    """tokens/s = bandwidth / (weight bytes + cache bytes) per GPU, model shape, context and cache."""
+    measured = _measured_bits()
+    rows = []
+    for gpu, bandwidth in GPU_BANDWIDTH.items():
+        for shape_name, shape in MODEL_SHAPES.items():
+            elements = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"]  # cached scalars per token
+            for context in PREDICT_CONTEXTS:
+                row = {"gpu": gpu, "model": shape_name, "context": context}
+                for label, spec in PREDICT_CACHES.items():
+                    bits = 16.0 if spec is None else measured.get(spec)
+                    if bits is None:
+                        continue
+                    cache_bytes = elements * context * bits / 8
+                    row[label] = {"bits": bits, "cache_gb": cache_bytes / 1e9,
+                                  "tokens_per_s": bandwidth / (shape["weight_bytes"] + cache_bytes)}  # fmt: skip
+                rows.append(row)
+    return rows
+
+
+def predicted_markdown(rows: list[dict]) -> str:
+    labels = [label for label in PREDICT_CACHES if label in rows[0]]
+    lines = ["| GPU | model | context | " + " | ".join(f"{label} tok/s" for label in labels) + " |",
+             "|---|---|---:|" + "---:|" * len(labels)]  # fmt: skip
+    for row in rows:
+        cells = [f"{row[label]['tokens_per_s']:.0f}" for label in labels]
+        lines.append(f"| {row['gpu']} | {row['model']} | {row['context'] // 1024}K | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
 
 def _time(fn, iters: int, device: str) -> float:
     """Median milliseconds of `fn()`."""
@@ -94,19 +150,17 @@ def _case(q, k, v, scale, args, token_delta: bool) -> dict:
         keys = RotatedCodec(DeltaCodec(kf=32, **TOKEN_DELTA_DEFAULTS))
         values = RotatedCodec(PlainCodec("q4_0"))
         keys.append(k.float().cumsum(2) / (1 + torch.arange(context, device=k.device)[:, None]))  # smooth, key-like
-        angle = torch.arange(context, device=k.device)[:, None] * (
-            10000 ** (-torch.arange(dim // 2, device=k.device) / (dim // 2))
-        )
-        cos, sin = torch.cat([angle.cos()] * 2, -1)[None].float(), torch.cat([angle.sin()] * 2, -1)[None].float()
-        cos, sin = cos.expand(batch, -1, -1).contiguous(), sin.expand(batch, -1, -1).contiguous()
+        freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64, device=k.device) / (dim // 2))
+        positions = torch.arange(context, dtype=torch.int32, device=k.device).expand(batch, context).contiguous()
+        rope = kernels.RopeAngles(positions, freqs)
     else:
         keys, values = PlainCodec(args.format), PlainCodec(args.format)
         keys.append(k.float())
-        cos = sin = None
+        rope = None
     values.append(v.float())
     query = q.float().view(batch, kv_heads, -1, dim)
     empty = query.new_zeros(batch, kv_heads, 0, dim)
-    call = (query, empty, empty, keys.layout(), values.layout(), cos, sin, None, 1, context - 1, scale)
+    call = (query, empty, empty, keys.layout(), values.layout(), rope, None, 1, context - 1, scale)
 
     def fused():
         return kernels.stream_attention(*call)
@@ -165,9 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-contexts", default="4096,16384,65536")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
+    predicted = predicted_rows()
+    print("Predicted from bytes read per step (batch 1, peak bandwidth):\n" + predicted_markdown(predicted))
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu under TRITON_INTERPRET=1 for a smoke test", file=sys.stderr)
-        return 1
+        out = Path(args.out)
+        previous = json.loads(out.read_text()) if out.exists() else {}
+        out.write_text(json.dumps({**previous, "predicted": predicted}, indent=2) + "\n")
+        print(f"no CUDA device: wrote the predicted table only to {out} (measured rows need a GPU; run with "
+              "--device cpu under TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)  # fmt: skip
+        return 0
     rows = [run(int(c), args) for c in args.contexts.split(",")]
     print(
         "| context | fp16 SDPA (ms) | q4_0 fused (ms) | speedup | delta fused (ms) | speedup "
@@ -188,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(compressed attention) {r['delta_tokens_per_s']:.1f} tok/s"
         )
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"config": {**vars(args), "device_name": device_name}, "rows": rows, "end_to_end": e2e}
+    result = {"config": {**vars(args), "device_name": device_name}, "rows": rows, "end_to_end": e2e,
+              "predicted": predicted}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -38,13 +38,13 @@ def _load_tile(
     blk = e // BLOCK
     within = e % BLOCK
     n_blocks: tl.constexpr = D // BLOCK
+    # (a constexpr is assigned once: GPU compilers refuse a second assignment that the interpreter lets through)
+    bytes_per_token: tl.constexpr = D if BITS == 8 else D // 2
     s = tl.load(scales_ptr + tok[:, None] * n_blocks + blk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     if BITS == 8:
-        bytes_per_token: tl.constexpr = D
         q = tl.load(codes_ptr + tok[:, None] * bytes_per_token + e[None, :], mask=valid[:, None], other=0)
         return q.to(tl.float32) * s
     half: tl.constexpr = BLOCK // 2
-    bytes_per_token: tl.constexpr = D // 2
     byte = blk * half + within % half
     packed = tl.load(codes_ptr + tok[:, None] * bytes_per_token + byte[None, :], mask=valid[:, None], other=0)
     code = ((packed >> ((within // half) * 4)[None, :]) & 0x0F).to(tl.float32)

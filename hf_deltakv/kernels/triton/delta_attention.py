@@ -160,11 +160,16 @@ def _rotate_half_matrix(dim: int, device: torch.device) -> torch.Tensor:
     return p
 
 
+# The kernel holds the head's rotation and rotate-half matrices (dim x dim, fp32) in shared memory: at head_dim 256 that
+# is 256-352 KB, beyond every GPU target (benchmarks/triton_compile.py), so such heads take the reference.
+MAX_DIM = 128
+
+
 def supports(keys: DeltaStream, values: PlainStream) -> bool:
     """Delta keys from the previous token (symmetric 4-bit deltas, q8_0 keyframes, kf a power of two >= 16) and plain
-    block-quantized values, of one power-of-two head dim that is a multiple of 32."""
+    block-quantized values, of one power-of-two head dim that is a multiple of 32, at most `MAX_DIM`."""
     dim, kf = keys.dim, keys.kf
-    if dim % 32 or dim & (dim - 1) or values.dim != dim or values.blocks.fmt.kind not in TILE_KINDS:
+    if dim % 32 or dim & (dim - 1) or dim > MAX_DIM or values.dim != dim or values.blocks.fmt.kind not in TILE_KINDS:
         return False
     if keys.reference != "previous" or kf < 16 or kf & (kf - 1) or keys.keyframes.fmt.name != "q8_0":
         return False

@@ -1,0 +1,281 @@
+"""Compile every Triton kernel for real GPU targets without a GPU: NVIDIA sm_80 and sm_90, AMD gfx942 and gfx90a.
+
+Why: the kernels run on CPUs only under Triton's interpreter, which accepts code a GPU compiler refuses (or compiles
+into more shared memory than the chip has). Triton compiles for a named target without the chip
+(`triton.compile(ASTSource(...), target=GPUTarget(...))`), so each dispatched configuration is compiled here exactly
+as a launch would compile it: the launchers (`decode_attention`, `delta_attention`, `quantize`, ...) are called on
+CPU tensors with their kernels replaced by a recorder, and each recorded launch (arguments, constexprs, options) is
+specialised by Triton's own binder for the target and compiled. (The Delta-KV article's MI50 is gfx906, which
+Triton does not target.)
+
+    python benchmarks/triton_compile.py          # every configuration, every target (results/triton_compile.json)
+    python benchmarks/triton_compile.py --quick  # one pass over every kernel, format, head dim and option (CI's test)
+
+Needs a clean process: under `TRITON_INTERPRET=1` the kernels are not compilable objects (the test starts one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from paths import RESULTS
+
+# Name -> (backend, arch, warp size), and the shared memory (LDS) one block may use on it, in bytes: 163 KB on the
+# A100 (sm_80), 227 KB on the H100/H200 (sm_90), 64 KB on MI300X (gfx942) and MI200 (gfx90a).
+TARGETS = {"sm_80": ("cuda", 80, 32), "sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64),
+           "gfx90a": ("hip", "gfx90a", 64)}  # fmt: skip
+SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "gfx942": 64 * 1024, "gfx90a": 64 * 1024}
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 7)  # query heads per kv head: MHA, Llama-3-8B's GQA, Qwen2.5-0.5B's (7 pads to 8)
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: which kernel, a label of its configuration, its arguments."""
+
+    kernel: str
+    config: str
+    fn: object
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, name: str, fn, sink: list, label: list) -> None:
+        self.name, self.fn, self.sink, self.label = name, fn, sink, label
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.sink.append(Launch(self.name, self.label[0], self.fn, args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(sink: list, label: list):
+    """Replace every `_*_kernel` of the Triton modules by a recorder for the duration."""
+    from hf_deltakv.kernels.triton import (
+        decode_attention,
+        delta_attention,
+        delta_encode,
+        latent,
+        quantize,
+        sparse_matvec,
+    )
+
+    saved = []
+    for module in (decode_attention, delta_attention, delta_encode, latent, quantize, sparse_matvec):
+        for name, value in vars(module).items():
+            if name.startswith("_") and name.endswith("_kernel"):
+                saved.append((module, name, value))
+                setattr(module, name, _Recorder(name.strip("_"), value, sink, label))
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def launches(quick: bool = False) -> list[Launch]:
+    """Every configuration the dispatch sends to a Triton kernel (`quick`: each format, head dim and option once,
+    the others varied alongside), recorded from the launchers on CPU tensors."""
+    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+    from hf_deltakv.kernels.layout import RopeAngles
+    from hf_deltakv.kernels.triton import (
+        decode_attention,
+        delta_attention,
+        delta_encode,
+        latent,
+        quantize,
+        sparse_matvec,
+    )
+
+    sink: list[Launch] = []
+    label = [""]
+    g = torch.Generator().manual_seed(0)
+
+    def product(*axes):
+        combos = list(itertools.product(*axes))
+        if not quick:
+            return combos
+        width = max(len(axis) for axis in axes)  # a covering pass: every value of every axis at least once
+        return [tuple(axis[i % len(axis)] for axis in axes) for i in range(width)]
+
+    with recording(sink, label), torch.no_grad():
+        for fmt, dtype in product(("q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"), INPUT_DTYPES):
+            label[0] = f"{fmt}, {str(dtype).removeprefix('torch.')} input"
+            quantize.quantize(torch.randn(3, 64, generator=g).to(dtype), fmt)
+        for fmt, dim, group, masked in product(("q4_0", "q4_1", "q8_0"), HEAD_DIMS, GROUPS, (False, True)):
+            label[0] = f"{fmt} keys and values, head_dim {dim}, {group} queries per kv head, mask {masked}"
+            keys, values = RotatedCodec(PlainCodec(fmt)), PlainCodec(fmt)
+            keys.append(torch.randn(1, 2, 40, dim, generator=g))
+            values.append(torch.randn(1, 2, 40, dim, generator=g))
+            mask = torch.ones(1, 42, dtype=torch.bool) if masked else None
+            query = torch.randn(1, 2, group, dim, generator=g)
+            if decode_attention.supports(keys.layout(), values.layout(), rope=False):  # what the dispatch sends
+                decode_attention.plain_attention(query, keys.layout(), values.layout(), mask, 2, 0.1)
+        for vfmt, dim, group, rope, masked in product(("q4_0", "q8_0"), HEAD_DIMS, GROUPS, (False, True), (True,)):
+            label[0] = f"delta keys, {vfmt} values, head_dim {dim}, {group} queries per kv head, RoPE {rope}"
+            keys = RotatedCodec(DeltaCodec(kf=32, delta_format="q4_0_16", keyframe_format="q8_0",
+                                           reference="previous", intra=True, mean_reference=True))  # fmt: skip
+            values = RotatedCodec(PlainCodec(vfmt))
+            keys.append(torch.randn(1, 2, 70, dim, generator=g))
+            values.append(torch.randn(1, 2, 70, dim, generator=g))
+            cos = sin = None
+            if rope:
+                freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+                cos, sin = RopeAngles(torch.arange(70, dtype=torch.int32)[None], freqs).cos_sin()
+                cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            mask = torch.ones(1, 72, dtype=torch.bool) if masked else None
+            query = torch.randn(1, 2, group, dim, generator=g)
+            if delta_attention.supports(keys.layout(), values.layout()):  # what the dispatch sends
+                delta_attention.delta_attention(query, keys.layout(), values.layout(), cos, sin, mask, 2, 0.1)
+        for dim, intra in product(HEAD_DIMS, (False, True)):
+            label[0] = f"head_dim {dim}, blocks of 16, intra {intra}"
+            x = torch.randn(2, 3, 32, dim, generator=g)
+            delta_encode.delta_encode_groups(x, x if intra else None, x[:, :, 0], 16)
+        label[0] = "latent groups at 2-8 bits"
+        bits = [8, 6, 5, 4, 3, 2, 0]
+        packed = torch.zeros(5, sum(32 * b // 8 for b in bits), dtype=torch.uint8)
+        latent.dequantize_latent(packed, torch.ones(5, 6, dtype=torch.float16), bits)
+        for dtype, bias in product(INPUT_DTYPES, (False, True)):
+            label[0] = f"{str(dtype).removeprefix('torch.')} weights, bias {bias}"
+            wt = torch.randn(64, 96, generator=g).to(dtype)
+            x = torch.randn(2, 64, generator=g).to(dtype)
+            sparse_matvec.sparse_matvec(x, wt, torch.randn(96).to(dtype) if bias else None, None, 0.0)
+    return sink
+
+
+def _registers(asm: dict) -> tuple[int | None, int | None]:
+    """(registers per thread, spilled bytes or registers) as the target's assembler reports them, where it does."""
+    if "amdgcn" in asm:
+        text = asm["amdgcn"]
+        vgpr = re.search(r"\.vgpr_count:\s+(\d+)", text)
+        spill = re.search(r"\.vgpr_spill_count:\s+(\d+)", text)
+        return (int(vgpr.group(1)) if vgpr else None), (int(spill.group(1)) if spill else None)
+    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    arch = re.search(r"^\.target\s+(sm_\w+)", asm.get("ptx", ""), flags=re.M)  # sm_90a on Hopper
+    if arch is None or not ptxas.exists():
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(asm["ptx"])
+        done = subprocess.run([str(ptxas), "-v", f"-arch={arch.group(1)}", str(source), "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True)  # fmt: skip
+    used = re.search(r"Used (\d+) registers", done.stderr)
+    spilled = re.search(r"(\d+) bytes spill stores", done.stderr)
+    return (int(used.group(1)) if used else None), (int(spilled.group(1)) if spilled else None)
+
+
+def compile_launch(launch: Launch, target: str) -> dict:
+    """Compile one recorded launch for `target` as Triton's launcher would; a result row (an error is recorded)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn, row = launch.fn, {"kernel": launch.kernel, "config": launch.config, "target": target}
+    started = time.monotonic()
+    try:
+        gpu = GPUTarget(*TARGETS[target])
+        backend = make_backend(gpu)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*launch.args, **launch.kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+        registers, spills = _registers(compiled.asm)
+        row.update(shared=int(compiled.metadata.shared), shared_limit=SHARED_LIMIT[target], registers=registers,
+                   spills=spills, num_warps=int(compiled.metadata.num_warps), error=None)  # fmt: skip
+    except Exception as error:  # recorded, not raised: the report lists every failure
+        row.update(error=f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}")
+    row["seconds"] = round(time.monotonic() - started, 2)
+    return row
+
+
+_LAUNCHES: list[Launch] = []
+
+
+def _compile_index(job: tuple[int, str]) -> dict:
+    index, target = job
+    return compile_launch(_LAUNCHES[index], target)
+
+
+def compile_all(quick: bool, targets: list[str], jobs: int) -> list[dict]:
+    """Every recorded launch compiled for every target, unique (kernel, arguments' types, constexprs) once each."""
+    global _LAUNCHES
+    unique, seen = [], set()
+    for launch in launches(quick):
+        key = (launch.kernel, repr([_kind(a) for a in launch.args]), repr(sorted(launch.kwargs.items())))
+        if key not in seen:
+            seen.add(key)
+            unique.append(launch)
+    _LAUNCHES = unique
+    work = [(i, t) for i in range(len(unique)) for t in targets]
+    if jobs <= 1:
+        return [_compile_index(job) for job in work]
+    with ProcessPoolExecutor(jobs) as pool:  # forked workers inherit the recorded launches
+        return list(pool.map(_compile_index, work))
+
+
+def _kind(value) -> str:
+    return f"{value.dtype}" if isinstance(value, torch.Tensor) else f"{type(value).__name__}:{value}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a covering pass instead of every combination")
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated of " + ", ".join(TARGETS))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
+    parser.add_argument("--out", default=str(RESULTS / "triton_compile.json"), help="JSON of every row ('' for none)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("triton_compile: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
+        return 2
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        print(f"triton_compile: unknown targets {unknown}; known: {sorted(TARGETS)}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    rows = compile_all(args.quick, targets, args.jobs)
+    failed = [r for r in rows if r["error"] or r["shared"] > r["shared_limit"]]
+    import triton
+
+    result = {
+        "config": {
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+            "targets": targets,
+            "quick": args.quick,
+            "seconds": round(time.monotonic() - started, 1),
+            "date": time.strftime("%Y-%m-%d"),
+            "shared_limit": {t: SHARED_LIMIT[t] for t in targets},
+        },
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for row in failed:
+        reason = row["error"] or f"shared memory {row['shared']} B > {row['shared_limit']} B"
+        print(f"FAILED {row['kernel']} [{row['config']}] on {row['target']}: {reason}")
+    seconds = result["config"]["seconds"]
+    print(f"triton_compile: {len(rows) - len(failed)} of {len(rows)} compiled within limits in {seconds} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
