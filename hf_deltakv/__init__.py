@@ -1,16 +1,27 @@
 """hf_deltakv: compressed KV caches for HuggingFace transformers, with real packed storage."""
 
-from .cache import CompressedKVCache, DeltaKVCache, KIVIKVCache, QuantizedKVCache
+from .cache import (
+    CompressedKVCache,
+    DeltaKVCache,
+    EvictionCache,
+    KIVIKVCache,
+    QuantizedKVCache,
+    SnapKVCache,
+    StreamingLLMCache,
+)
 from .residual.cache import ResidualKVCache
 from .weight_skip import SkipSimulator, enable_weight_skip
 
 __all__ = [
     "CompressedKVCache",
     "DeltaKVCache",
+    "EvictionCache",
     "KIVIKVCache",
     "QuantizedKVCache",
     "ResidualKVCache",
     "SkipSimulator",
+    "SnapKVCache",
+    "StreamingLLMCache",
     "enable_weight_skip",
 ]
 __version__ = "0.1.0"

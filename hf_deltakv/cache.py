@@ -23,7 +23,7 @@ from .codecs.channel import ChannelGroupCodec
 from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
-from .layers import CompressedLayer, PositionLog, StreamLayer
+from .layers import CompressedLayer, EvictingLayer, ForwardLog, PositionLog, StreamLayer
 from .quant import FORMATS, SEARCHABLE_KINDS, get_format, nbytes_of
 from .rope import RopeForm, find_rotary_embedding, probe_rope
 
@@ -55,7 +55,7 @@ class StreamCache(Cache):
         self._sliding_window: int | None = None
         self._chunk_size: int | None = None
         self._rope_forms: list[RopeForm | None] | None = None
-        self._before: tuple[int, list] | None = None  # the state when the last forward started (`_recover`)
+        self.forward = ForwardLog()  # the state when the current forward started (`_recover`)
         if pre_rope and model is None:
             raise ValueError("pre_rope=True needs the model: pass model=... (its RoPE is measured to undo it)")
         if model is not None:
@@ -101,11 +101,16 @@ class StreamCache(Cache):
                 f"this cache was built for a model of {len(self._layer_types)} layers; layer {layer_idx} was asked "
                 "(a cache serves the model it was built with)"
             )
-        if layer_idx == 0:  # a forward starts: its starting state is kept until the next one starts
+        if layer_idx == 0:  # a forward starts: its starting state is kept until its last layer has been read
             self._recover()
-            self._before = (len(self.layers), [entry for layer in self.layers for entry in layer._snapshot()])
+            layers = len(self._layer_types) if self._layer_types else len(self.layers)
+            self.forward.start(
+                len(self.layers), [entry for layer in self.layers for entry in layer._snapshot()], layers
+            )
         while len(self.layers) <= layer_idx:
-            self.layers.append(self._make_layer(len(self.layers)))
+            layer = self._make_layer(len(self.layers))
+            layer.forward, layer.layer_index = self.forward, len(self.layers)
+            self.layers.append(layer)
             if getattr(self, "_record_past", False):
                 self.layers[-1].activate_past_recording()
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
@@ -114,27 +119,30 @@ class StreamCache(Cache):
         """Undo a forward that stopped midway (an exception after some layers had updated, e.g. Ctrl-C in
         `generate`): when the layers disagree on how many tokens they hold, or fewer layers exist than the model has,
         every layer goes back to its state when that forward started, so the cache can be used again as if it had
-        never run. (Without `model=` the layer count is known only once a forward has completed.)"""
-        if self._before is None:
+        never run. Called where a forward starts (layer 0's update, what generate and the mask ask of layer 0
+        first) and by operations on the whole cache, never between two layers of a running forward. (Without
+        `model=` the layer count is known only once a forward has completed.)"""
+        if self.forward.saved is None:
             return
         lengths = {layer.cumulative_length for layer in self.layers}
         expected = len(self._layer_types) if self._layer_types else None
         if len(lengths) <= 1 and (expected is None or len(self.layers) in (0, expected)):
             return
-        count, saved = self._before
+        count, saved = self.forward.saved
         StreamLayer._restore(saved)
         del self.layers[count:]
-        self._before = None
+        self.forward.saved = None
 
     def nbytes(self) -> int:
-        """Bytes of all state held: every layer's packed storage, the shared position log, and the previous state of
-        what the current forward replaced (kept to undo an interrupted forward); each storage once."""
+        """Bytes of all state held: every layer's packed storage, the shared position log, and, during a forward (or
+        after one stopped midway), the state it replaced, kept to undo it; each storage once."""
         self._recover()
-        before = [attributes for _, attributes in self._before[1]] if self._before else []
+        before = [attributes for _, attributes in self.forward.saved[1]] if self.forward.saved else []
         return nbytes_of([[layer.held() for layer in self.layers], self.positions.ids, before])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._recover()
+        if layer_idx == 0:  # what generate asks before a forward (a layer may ask for its own during one: Llama 4)
+            self._recover()
         return super().get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -158,7 +166,7 @@ class StreamCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.positions.reset()
-        self._before = None
+        self.forward.saved = None
 
     def activate_past_recording(self) -> None:
         """Sliding layers keep what a crop back to the current forward needs (transformers' assisted decoding), also
@@ -455,6 +463,80 @@ TOKEN_DELTA_DEFAULTS = {
     "intra": True,
     "mean_reference": True,
 }
+
+
+class EvictionCache(StreamCache):
+    """A cache that drops tokens instead of compressing them (the baseline users pick instead): full-precision (fp16)
+    keys and values of `keep` of the tokens seen, chosen by `policy` (see `layers.evicting`).
+
+    Args:
+        policy: "streaming" (StreamingLLM: sinks + recent) or "snapkv" (SnapKV: most attended + recent).
+        keep: fraction of the tokens seen kept, in (0, 1] (0.3: about the bytes of `DeltaKVCache`'s 4.9 bits).
+        sink_tokens: first tokens always kept.
+        window: recent tokens always kept (SnapKV: the queries it observes).
+        kernel: SnapKV's pooling width over positions (odd).
+        model: see `StreamCache` (keys are kept as given: there is nothing to code before RoPE).
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        keep: float = 0.3,
+        sink_tokens: int = 0,
+        window: int = 32,
+        kernel: int = 7,
+        model: nn.Module | None = None,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
+            raise ValueError(f"keep must be a fraction in (0, 1], got {keep!r}")
+        for name, value in (("window", window), ("kernel", kernel)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (a window centred on each position), got {kernel}")
+        EvictingLayer(policy, keep)  # validate the policy now
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") if model else "sdpa"
+        if model is not None and getattr(text_config(model), "kv_lora_rank", None):
+            raise ValueError(
+                f"{type(model).__name__} caches compressed latents (multi-head latent attention) that it expands "
+                "after reading them: an evicting cache needs attention to read the cache directly"
+            )
+        if implementation != "sdpa":
+            raise ValueError(
+                f"an evicting cache serves scaled_dot_product_attention only, and {type(model).__name__} runs "
+                f"{implementation!r} attention (a dense history cannot say which tokens were dropped): load it with "
+                "attn_implementation='sdpa' where the model allows"
+            )
+        self.options = {"policy": policy, "keep": float(keep), "sink_tokens": sink_tokens, "window": window,
+                        "kernel": kernel}  # fmt: skip
+        super().__init__(sink_tokens, model, pre_rope=False)
+
+    def _make_layer(self, layer_idx: int) -> EvictingLayer:
+        options = {k: v for k, v in self.options.items() if k != "policy"}
+        return EvictingLayer(self.options["policy"], **options)
+
+
+class StreamingLLMCache(EvictionCache):
+    """StreamingLLM (https://arxiv.org/abs/2309.17453): the first `sink_tokens` tokens and the most recent ones,
+    `keep` of all tokens seen, in fp16.
+
+    >>> cache = StreamingLLMCache(keep=0.3)
+    """
+
+    def __init__(self, keep: float = 0.3, sink_tokens: int = 4, model: nn.Module | None = None) -> None:
+        super().__init__("streaming", keep, sink_tokens, window=1, model=model)
+
+
+class SnapKVCache(EvictionCache):
+    """SnapKV-style (https://arxiv.org/abs/2404.14469): per kv head, the tokens the last `window` queries of each
+    forward attended to most (pooled over `kernel` positions) and the `window` most recent, `keep` of all tokens
+    seen, in fp16.
+
+    >>> cache = SnapKVCache(keep=0.3)
+    """
+
+    def __init__(self, keep: float = 0.3, window: int = 32, kernel: int = 7, model: nn.Module | None = None) -> None:
+        super().__init__("snapkv", keep, 0, window, kernel, model=model)
 
 
 def _check_flag(name: str, value) -> None:

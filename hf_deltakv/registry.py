@@ -14,7 +14,7 @@ from functools import partial
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
-from .cache import DeltaKVCache, KIVIKVCache, QuantizedKVCache
+from .cache import DeltaKVCache, KIVIKVCache, QuantizedKVCache, SnapKVCache, StreamingLLMCache
 from .residual.cache import ResidualKVCache
 
 
@@ -67,6 +67,16 @@ CACHES: dict[str, CacheEntry] = {
     "delta": CacheEntry("DeltaKVCache (defaults; keys coded before RoPE)", DeltaKVCache, takes_model=True),
     "delta-no-model": CacheEntry(
         "DeltaKVCache(kf=32) as the one-liner writes it: no model=, keys after RoPE", DeltaKVCache
+    ),
+    "streaming-llm": CacheEntry(
+        "eviction baseline: StreamingLLM, 4 sink tokens + the most recent, 30 % of the tokens kept in fp16",
+        StreamingLLMCache,
+        takes_model=True,
+    ),
+    "snapkv": CacheEntry(
+        "eviction baseline: SnapKV-style, per head the most attended tokens + the 32 most recent, 30 % kept in fp16",
+        SnapKVCache,
+        takes_model=True,
     ),
     "residual": CacheEntry(
         "ResidualKVCache (learned residual codes; built-in compressor for SmolLM2-135M, or compressor=DIR)",

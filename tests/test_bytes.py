@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, SnapKVCache, StreamingLLMCache
 from hf_deltakv.quant import QuantizedTensor, nbytes_of
 from hf_deltakv.rope import RopeForm
 
@@ -29,6 +29,8 @@ CACHES = {
     "delta-3.5": lambda m: DeltaKVCache(kf=16, key_bits=2.75, values="q3_0", model=m),
     "delta-token": lambda m: DeltaKVCache(kf=8, keys="token", values="delta", model=m),
     "residual": lambda m: ResidualKVCache(model=m, compressor=tiny_compressor(m)),
+    "streaming-llm": lambda m: StreamingLLMCache(keep=0.3, model=m),
+    "snapkv": lambda m: SnapKVCache(keep=0.3, window=8, model=m),
 }
 
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache
+from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache, SnapKVCache, StreamingLLMCache
 
 from .conftest import tiny_compressor, tiny_model
 from .test_bytes import held_bytes
@@ -27,6 +27,8 @@ WITH_MODEL = {
     "delta-3.5": lambda m: DeltaKVCache(kf=16, key_bits=2.75, values="q3_0", model=m),
     "delta-token": lambda m: DeltaKVCache(kf=8, keys="token", values="delta", model=m),
     "residual": lambda m: ResidualKVCache(model=m, compressor=tiny_compressor(m)),
+    "streaming-llm": lambda m: StreamingLLMCache(keep=0.5, model=m),
+    "snapkv": lambda m: SnapKVCache(keep=0.5, window=4, model=m),
 }
 WITHOUT_MODEL = {
     "q4_0": lambda m: QuantizedKVCache("q4_0", "q4_0"),

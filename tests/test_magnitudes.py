@@ -42,9 +42,7 @@ def states(draw):
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     mixed = draw(st.booleans())
-    exponents = (
-        torch.randint(-30, 31, (32,), generator=g) if mixed else torch.full((32,), draw(st.integers(-30, 30)))
-    )
+    exponents = torch.randint(-30, 31, (32,), generator=g) if mixed else torch.full((32,), draw(st.integers(-30, 30)))
     x = torch.randn(1, 1, tokens, 32, generator=g) * (10.0 ** exponents.double()).float()
     return x + (torch.rand(32, generator=g) < 0.2) * 3 * (10.0 ** exponents.double()).float()
 

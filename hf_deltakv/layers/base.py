@@ -53,6 +53,7 @@ class StreamLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = True
+    attend_max_queries = ATTEND_MAX_QUERIES  # more queries than this: `sdpa` decodes the history instead
 
     def __init__(
         self,
@@ -68,6 +69,8 @@ class StreamLayer(CacheLayerMixin):
         self.window = window
         self.is_sliding = window is not None
         self.record_past = False
+        self.forward: ForwardLog | None = None  # set by the cache: told when this layer's attention is done
+        self.layer_index = -1
         self._clear()
 
     def _clear(self) -> None:
@@ -229,7 +232,7 @@ class StreamLayer(CacheLayerMixin):
         # transformers packs one decoded token's GQA query heads as rows of its kv head (a mask over one query row).
         packed = mask is not None and mask.shape[2] == 1 and n > 1 and heads == self.kv_heads
         self._observe_queries(query, 1 if packed else n)
-        if n > ATTEND_MAX_QUERIES:
+        if n > self.attend_max_queries:
             return None
         if mask is not None:
             mask = mask.expand(batch, mask.shape[1], n, length)
@@ -373,6 +376,8 @@ class StreamLayer(CacheLayerMixin):
         prefill included. Not while past recording is on (a crop may take the next query back)."""
         if self.window is not None and not self.record_past:
             self._evict(max(self.cumulative_length - self.window + 1, 0))
+        if self.forward is not None:
+            self.forward.read(self.layer_index)
 
     def activate_past_recording(self) -> None:
         """transformers asks sliding layers to keep what a crop may need (assisted decoding): evict only at the next
@@ -439,6 +444,23 @@ def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> tor
     if ids.shape[-1] != new:
         raise ValueError(f"position_ids cover {ids.shape[-1]} tokens but {new} new tokens were given")
     return ids.expand(like.shape[0], new)
+
+
+class ForwardLog:
+    """The state of a cache's layers when the current forward started, shared by them, so that a forward stopped
+    midway (an exception after some layers updated) can be undone: kept until the last layer's attention has read
+    it, then let go (it holds what the forward replaced)."""
+
+    def __init__(self) -> None:
+        self.saved: tuple[int, list] | None = None  # (layers that existed, their attributes)
+        self.last = -1  # the index of the layer whose read ends the forward
+
+    def start(self, layers: int, saved: list, total: int) -> None:
+        self.saved, self.last = (layers, saved), total - 1
+
+    def read(self, index: int) -> None:
+        if index == self.last:
+            self.saved = None
 
 
 class PositionLog:
