@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +25,16 @@ from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
 from .codecs.rotation import RotatedCodec
 from .layers import CompressedLayer, EvictingLayer, ForwardLog, PositionLog, StreamLayer
+from .persist import (
+    CACHE_FORMAT,
+    model_signature,
+    read_header,
+    read_tensors,
+    restore_state,
+    same_model,
+    state_of,
+    write_file,
+)
 from .quant import FORMATS, SEARCHABLE_KINDS, get_format, nbytes_of
 from .rope import RopeForm, find_rotary_embedding, probe_rope
 
@@ -47,9 +58,12 @@ class StreamCache(Cache):
             understood (`hf_deltakv.rope.probe_rope`; otherwise keys are coded after RoPE, with one warning).
     """
 
+    options: dict | None = None  # the constructor's arguments but `model` (a cache of a named class can be saved)
+
     def __init__(self, sink_tokens: int = 0, model: nn.Module | None = None, pre_rope: bool | None = None) -> None:
         super().__init__(layers=[])
         self.sink_tokens = _check_sinks(sink_tokens)
+        self._signature = model_signature(model) if isinstance(model, nn.Module) else None
         self.positions = PositionLog()
         self._layer_types: list[str] | None = None
         self._sliding_window: int | None = None
@@ -108,9 +122,7 @@ class StreamCache(Cache):
                 len(self.layers), [entry for layer in self.layers for entry in layer._snapshot()], layers
             )
         while len(self.layers) <= layer_idx:
-            layer = self._make_layer(len(self.layers))
-            layer.forward, layer.layer_index = self.forward, len(self.layers)
-            self.layers.append(layer)
+            self.layers.append(self._new_layer(len(self.layers)))
             if getattr(self, "_record_past", False):
                 self.layers[-1].activate_past_recording()
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
@@ -139,6 +151,75 @@ class StreamCache(Cache):
         self._recover()
         before = [attributes for _, attributes in self.forward.saved[1]] if self.forward.saved else []
         return nbytes_of([[layer.held() for layer in self.layers], self.positions.ids, before])
+
+    def _new_layer(self, layer_idx: int) -> StreamLayer:
+        layer = self._make_layer(layer_idx)
+        layer.forward, layer.layer_index = self.forward, layer_idx
+        return layer
+
+    def save(self, path: str | Path) -> Path:
+        """Write this cache to one safetensors file (its state as held, plus a JSON header: class, options, the
+        model's signature; checksummed), so that a long shared prompt is encoded once and reused, in this process or
+        another: `type(cache).load(path, model=model)`. The file is `nbytes()` plus the header.
+
+        >>> cache.save("prompt.safetensors")                              # doctest: +SKIP
+        >>> again = DeltaKVCache.load("prompt.safetensors", model=model)  # doctest: +SKIP
+        """
+        self._recover()
+        if self.options is None:
+            raise ValueError(f"{type(self).__name__} is built from codec factories: save a cache of a named class")
+        if self._signature is None:
+            raise ValueError("save needs to know the model: build the cache with model=... (the file is tied to it)")
+        tensors: dict[str, torch.Tensor] = {}
+        skip = (nn.Module, RopeForm, PositionLog, ForwardLog, partial)
+        layers = [state_of(layer, f"layers.{i}", tensors, skip) for i, layer in enumerate(self.layers)]
+        if self.positions.ids is not None:
+            tensors["positions.ids"] = self.positions.ids
+        header = {"format": CACHE_FORMAT, "class": type(self).__name__, "options": self.options,
+                  "model": self._signature, "rope": _rope_fingerprint(self._rope_forms), "layers": layers,
+                  "positions": "positions.ids" if self.positions.ids is not None else None}  # fmt: skip
+        return write_file(path, header, tensors)
+
+    @classmethod
+    def load(cls, path: str | Path, model: nn.Module, device: torch.device | str | None = None):
+        """A cache saved by `save`, for `model` (the one it was saved for: refused otherwise, as is a file of another
+        cache class, a file changed since it was written, or one that is not a saved cache); checked before anything
+        is built. Tensors go to `device` (default: the model's)."""
+        header, shapes = read_header(path)
+        if header.get("format") != CACHE_FORMAT:
+            raise ValueError(
+                f"{path}: cache file format {header.get('format')!r}; this hf_deltakv reads {CACHE_FORMAT}"
+            )
+        if header.get("class") != cls.__name__:
+            raise ValueError(f"{path} holds a {header.get('class')!r}, not a {cls.__name__}: load it with that class")
+        if not isinstance(model, nn.Module):
+            raise ValueError("load needs the model the cache was saved for (model=...)")
+        if (differs := same_model(header.get("model") or {}, model)) is not None:
+            raise ValueError(f"{path} was saved for another model ({differs})")
+        options = header.get("options")
+        if not isinstance(options, dict) or not isinstance(header.get("layers"), list):
+            raise ValueError(f"{path}: its header has no options or layers")
+        cache = cls(**options, model=model)  # the constructor checks the options
+        if _rope_fingerprint(cache._rope_forms) != header.get("rope"):
+            raise ValueError(f"{path} was saved with another RoPE measurement of the model: refused")
+        layers = header["layers"]
+        if len(layers) > (len(cache._layer_types or []) or len(layers)):
+            raise ValueError(f"{path} holds {len(layers)} layers; the model has {len(cache._layer_types)}")
+        _check_tensors(path, header, shapes)
+        tensors = read_tensors(path, header)
+        device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
+        for index, state in enumerate(layers):
+            layer = cache._new_layer(index)
+            restore_state(layer, state, tensors, device, LAZY_STATE)
+            if layer.is_initialized:
+                layer.device = device
+            cache.layers.append(layer)
+        if header.get("positions"):
+            cache.positions.record(0, tensors["positions.ids"].shape[1], tensors["positions.ids"].to(device))
+        lengths = {layer.cumulative_length for layer in cache.layers}
+        if len(lengths) > 1 or (cache.positions.ids is not None and cache.positions.ids.shape[1] not in lengths):
+            raise ValueError(f"{path}: its layers disagree on how many tokens they hold")
+        return cache
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx == 0:  # what generate asks before a forward (a layer may ask for its own during one: Llama 4)
@@ -219,6 +300,55 @@ class CompressedKVCache(StreamCache):
             self.positions,
             self._window(layer_idx),
         )
+
+
+# Attributes a layer gets at its first update (`StreamLayer.lazy_initialization`): a saved layer may carry them.
+LAZY_STATE = frozenset({"dtype", "device", "batch_size", "kv_heads", "head_dim", "value_dim", "sink_dtype"})
+SAFETENSORS_DTYPES = {"U8", "I8", "I16", "I32", "I64", "F16", "BF16", "F32"}
+
+
+def _rope_fingerprint(forms: list[RopeForm | None] | None) -> list | None:
+    """What a saved cache's RoPE was measured as (frequencies rounded; channel orders), to refuse another."""
+    if forms is None:
+        return None
+    return [None if f is None else [[round(float(x), 6) for x in f.freqs],
+                                     None if f.order is None else f.order.tolist()] for f in forms]  # fmt: skip
+
+
+def _check_tensors(path, header: dict, shapes: dict) -> None:
+    """The file's tensors are exactly those its header refers to, of allowed types, each layer's with its batch
+    first (read from the file's header only)."""
+    referenced = set()
+
+    def collect(value) -> None:
+        if isinstance(value, dict):
+            for key in ("tensor",):
+                if key in value:
+                    referenced.add(value[key])
+            if "quantized" in value:
+                parts = ("codes", "scales", "mins") if value.get("mins") else ("codes", "scales")
+                referenced.update(f"{value['quantized']}.{p}" for p in parts)
+            if "counts" in value and isinstance(value["counts"], dict):
+                referenced.update(f"{value['tensors']}.{k}" for k in value["counts"])
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, list):
+            for item in value:
+                collect(item)
+
+    collect(header["layers"])
+    if header.get("positions"):
+        referenced.add("positions.ids")
+    if referenced != set(shapes):
+        odd = sorted(referenced ^ set(shapes))[:3]
+        raise ValueError(f"{path}: its tensors do not match its header ({odd})")
+    for name, (dtype, shape) in shapes.items():
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has type {dtype}")
+        if name.startswith("layers."):
+            batch = header["layers"][int(name.split(".")[1])].get("batch_size")
+            if not shape or shape[0] != batch:
+                raise ValueError(f"{path}: tensor {name} of shape {shape} is not of the layer's batch {batch}")
 
 
 def _codec(cls, rotate: bool = False, /, **options) -> Callable[[], StreamCodec]:
@@ -307,6 +437,8 @@ class QuantizedKVCache(CompressedKVCache):
     ) -> None:
         get_format(k_format), get_format(v_format)
         _check_flag("rotate", rotate)
+        self.options = {"k_format": k_format, "v_format": v_format, "rotate": rotate, "sink_tokens": sink_tokens,
+                        "pre_rope": pre_rope}  # fmt: skip
         super().__init__(
             _codec(PlainCodec, rotate, fmt=k_format),
             _codec(PlainCodec, rotate, fmt=v_format),
@@ -340,6 +472,7 @@ class KIVIKVCache(CompressedKVCache):
     ) -> None:
         get_format(v_format)
         ChannelGroupCodec(k_format)
+        self.options = {"k_format": k_format, "v_format": v_format, "sink_tokens": sink_tokens, "pre_rope": pre_rope}
         super().__init__(
             _codec(ChannelGroupCodec, fmt=k_format), _codec(PlainCodec, fmt=v_format), sink_tokens, model, pre_rope
         )
@@ -449,9 +582,10 @@ class DeltaKVCache(CompressedKVCache):
             raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)}, got {values!r}")
         self.kf = kf
         self.options = {"kf": kf, "key_bits": key_bits, "values": values, "keys": keys, "rotate": rotate,
-                        "search_scale": search_scale, "sink_tokens": sink_tokens, "query_weights": query_weights,
-                        "clip_range": clip_range,
-                        **token_options}  # fmt: skip
+                        "search_scale": search_scale, "sink_tokens": sink_tokens, "pre_rope": pre_rope,
+                        "query_weights": query_weights, "clip_range": clip_range, "delta_format": delta_format,
+                        "keyframe_format": keyframe_format, "reference": reference, "intra": intra,
+                        "mean_reference": mean_reference}  # fmt: skip
         super().__init__(make_keys, make_values, sink_tokens, model, pre_rope)
 
 
@@ -507,13 +641,12 @@ class EvictionCache(StreamCache):
                 f"{implementation!r} attention (a dense history cannot say which tokens were dropped): load it with "
                 "attn_implementation='sdpa' where the model allows"
             )
-        self.options = {"policy": policy, "keep": float(keep), "sink_tokens": sink_tokens, "window": window,
-                        "kernel": kernel}  # fmt: skip
+        self.options = {"policy": policy, "keep": keep, "sink_tokens": sink_tokens, "window": window, "kernel": kernel}
+        self._layer_options = dict(self.options)
         super().__init__(sink_tokens, model, pre_rope=False)
 
     def _make_layer(self, layer_idx: int) -> EvictingLayer:
-        options = {k: v for k, v in self.options.items() if k != "policy"}
-        return EvictingLayer(self.options["policy"], **options)
+        return EvictingLayer(**self._layer_options)
 
 
 class StreamingLLMCache(EvictionCache):
@@ -525,6 +658,7 @@ class StreamingLLMCache(EvictionCache):
 
     def __init__(self, keep: float = 0.3, sink_tokens: int = 4, model: nn.Module | None = None) -> None:
         super().__init__("streaming", keep, sink_tokens, window=1, model=model)
+        self.options = {"keep": keep, "sink_tokens": sink_tokens}
 
 
 class SnapKVCache(EvictionCache):
@@ -537,6 +671,7 @@ class SnapKVCache(EvictionCache):
 
     def __init__(self, keep: float = 0.3, window: int = 32, kernel: int = 7, model: nn.Module | None = None) -> None:
         super().__init__("snapkv", keep, 0, window, kernel, model=model)
+        self.options = {"keep": keep, "window": window, "kernel": kernel}
 
 
 def _check_flag(name: str, value) -> None:

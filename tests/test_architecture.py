@@ -14,6 +14,7 @@ RANKS = {
     "rope": 0,  # undo/redo a model's RoPE
     "attention": 0,  # the glue between transformers' attention and a cache layer (duck-typed)
     "kernels": 1,  # references + C++ + Triton kernels over stream layouts; one dispatch point
+    "persist": 1,  # files of caches and checkpoints: safetensors + JSON, model signatures, checked reads
     "codecs": 2,  # how one stream is encoded into packed storage
     "layers": 3,  # transformers cache layers over codecs
     "cache": 4,  # the Cache classes users construct

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..persist import model_signature, replace_folder
 from .compressor import ResidualCompressor, ResidualConfig
 
 WEIGHTS_NAME = "compressor.safetensors"
@@ -23,33 +24,6 @@ CONFIG_NAME = "config.json"
 FORMAT_VERSION = 1
 BUILTIN_CHECKPOINTS = {"smollm2-135m": Path(__file__).parent / "checkpoints" / "smollm2-135m"}
 DEFAULT_COMPRESSOR = "smollm2-135m"  # the built-in compressor of the embedded default model
-PROBE_SIZE = 32
-
-
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def model_signature(model: nn.Module) -> dict:
-    """Shape of the model's KV cache plus a probe of its first key projection's weights."""
-    text = _text_config(model)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    probe = []
-    for name, module in model.named_modules():
-        if name.endswith("k_proj") and isinstance(module, nn.Linear):
-            flat = module.weight.detach().float().flatten()
-            probe = flat[:: max(flat.numel() // PROBE_SIZE, 1)][:PROBE_SIZE].tolist()
-            break
-    return {
-        "model_type": getattr(text, "model_type", type(model).__name__),
-        "name": getattr(model.config, "_name_or_path", ""),
-        "num_layers": text.num_hidden_layers,
-        "kv_heads": heads,
-        "head_dim": head_dim,
-        "probe": probe,
-    }
 
 
 def check_compatible(config: ResidualConfig, model: nn.Module) -> None:
@@ -96,15 +70,6 @@ def save_compressor(compressor: ResidualCompressor, directory: str | Path, dtype
     (staging / CONFIG_NAME).write_text(json.dumps(payload, indent=1) + "\n")
     replace_folder(staging, directory)
     return directory
-
-
-def replace_folder(new: Path, target: Path) -> None:
-    """Put folder `new` in place of `target` (two renames: at every moment one complete version exists)."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        target.rename(old)
-    new.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(path_or_name: str | Path) -> Path:
