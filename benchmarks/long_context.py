@@ -1,0 +1,279 @@
+"""Long contexts, where a compressed cache is needed: error against length, retrieval, multi-turn, memory.
+
+One pass per model over one long real document (WikiText-2 test) read through every cache in chunks of `--chunk`
+tokens, all caches in lockstep (each chunk attends to the history as that cache stores it):
+a. error against length: KL divergence from the fp16 cache per position bucket (every `--stride`-th position);
+b. retrieval, RULER-style multi-key needles (Qwen2.5-Coder only, the model of the three that retrieves): the document
+   is a chat turn whose text carries "One of the special magic numbers for <key> is: <7 digits>." needles, 10 per
+   context length at depths 5 %, 15 %, ..., 95 % of that length (each a distractor for the others); when the
+   document reaches 4K, 8K, 16K and 32K tokens, every cache is asked for each of that length's needles (a copy of
+   the cache per question, the question ending the turn), greedy, correct when the 7 digits come back;
+c. multi-turn: at 8K, the 10 questions of that length in successive turns on one copy of each cache (its own
+   answers carried), answers compared with DynamicCache's turn by turn;
+d. memory (`--memory`): a separate process per cache and length (prefill in chunks + 64 greedy decoding steps):
+   peak resident memory, and above the loaded model; bytes held after the prefill and after decoding.
+Eviction baselines decide what to drop after every chunk, before any question is known (as in a conversation over
+a long shared context).
+
+    python benchmarks/long_context.py                     # all parts, three models (~60 min on 2 cores)
+    python benchmarks/long_context.py --quick             # SmolLM2 to 2K: the CI's short version (~2 min)
+
+Writes benchmarks/results/long_context.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from paths import RESULTS, WIKITEXT_TEST
+from transformers.cache_utils import DynamicCache
+
+from hf_deltakv.compare import write_json
+from hf_deltakv.models import load_model
+from hf_deltakv.quant import nbytes_of
+from hf_deltakv.registry import build_cache
+
+CACHES = ("delta", "delta-3.5", "kivi-pre-rope", "q4_0-rot", "streaming-llm", "snapkv")
+SPECS = {"delta-3.5": "delta:kf=64,key_bits=2.75,values=q3_0"}  # names of this table for longer specs
+MODELS = {"qwen2.5-coder-0.5b": 32768, "gemma3-270m": 32768, "smollm2-135m": 8192}
+RETRIEVAL_MODEL = "qwen2.5-coder-0.5b"
+BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+CELLS = (4096, 8192, 16384, 32768)
+NEEDLES_PER_CELL = 10
+MULTI_TURN_CELL = 8192
+ANSWER_TOKENS = 10
+NOUNS = ("river", "lantern", "orchard", "comet", "harbor", "violin", "glacier", "meadow", "falcon", "quartz", "canyon",
+         "saffron", "compass", "pylon", "ember", "thicket", "marble", "cobalt", "tundra", "beacon")  # fmt: skip
+ADJECTIVES = ("silent", "amber", "hollow", "rapid", "velvet", "brisk", "lunar", "crimson", "gentle", "rustic")
+
+
+def needles(length: int, seed: int) -> list[dict]:
+    """Key-value needles at depths 5 %, 15 %, ..., 95 % of `length`: unique keys, 7-digit values."""
+    rng = random.Random(seed)
+    keys = rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], NEEDLES_PER_CELL)
+    return [{"key": k, "value": str(rng.randrange(10**6, 10**7)), "depth": (i + 0.5) / NEEDLES_PER_CELL,
+             "cell": length} for i, k in enumerate(keys)]  # fmt: skip
+
+
+def build_document(tokenizer, max_len: int, with_needles: bool) -> tuple[torch.Tensor, list[dict], list[int]]:
+    """Token ids of the document (a chat turn for the retrieval model), the needles placed (with their token
+    position) and the chat prefix's length."""
+    text = WIKITEXT_TEST.read_text()
+    prefix = []
+    if with_needles:
+        prefix = tokenizer.apply_chat_template([{"role": "user", "content": "PLACEHOLDER"}], tokenize=False,
+                                               add_generation_prompt=False).split("PLACEHOLDER")[0]  # fmt: skip
+        prefix = tokenizer(prefix + "Read the text below; questions about it follow.\n\n").input_ids
+    body = tokenizer(text[: max_len * 8]).input_ids
+    placed = []
+    if with_needles:
+        todo = sorted((n for cell in CELLS if cell <= max_len for n in needles(cell, cell)),
+                      key=lambda n: n["depth"] * n["cell"], reverse=True)  # fmt: skip
+        for needle in todo:  # inserted from the back, so earlier positions stay where they are
+            at = max(int(needle["depth"] * needle["cell"]) - len(prefix), 0)
+            sentence = tokenizer(
+                f" One of the special magic numbers for {needle['key']} is: {needle['value']}. "
+            ).input_ids
+            body = body[:at] + sentence + body[at:]
+            placed.append({**needle, "position": len(prefix) + at})
+    ids = torch.tensor(prefix + body)[:max_len]
+    return ids, sorted(placed, key=lambda n: n["position"]), len(prefix)
+
+
+def question_ids(tokenizer, key: str) -> torch.Tensor:
+    """The rest of the user's turn (the question) and the start of the answer."""
+    question = (f"\n\nWhat is the special magic number for {key} mentioned in the text above? Answer with the number "
+                "only.")  # fmt: skip
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": "PLACEHOLDER"}], tokenize=False,
+                                         add_generation_prompt=True).split("PLACEHOLDER")[1]  # fmt: skip
+    return tokenizer(question + turn + f"The special magic number for {key} is", return_tensors="pt").input_ids
+
+
+@torch.no_grad()
+def answer(model, cache, ids: torch.Tensor) -> list[int]:
+    """Greedy answer tokens after feeding `ids` (the question) through `cache`."""
+    out, token = [], None
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    for _ in range(ANSWER_TOKENS):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(token))
+        logits = model(token, cache=cache, use_cache=True).logits
+    return out
+
+
+def make(name: str, model):
+    if name == "dynamic":
+        return DynamicCache(config=model.config)
+    return build_cache(SPECS.get(name, name), model)
+
+
+@torch.no_grad()
+def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stride: int, retrieval: bool) -> dict:
+    model, tokenizer = load_model(name)
+    ids, placed, _ = build_document(tokenizer, max_len, retrieval)
+    names = ("fp16", *(("dynamic",) if retrieval else ()), *caches)
+    live = {n: make(n if n != "fp16" else "fp16", model) for n in names}
+    kl_sum = {n: [0.0] * (len(BUCKETS) - 1) for n in caches}
+    kl_count = [0] * (len(BUCKETS) - 1)
+    retrieval_rows, turns = [], {}
+    started = time.time()
+    for start in range(0, ids.numel(), chunk):
+        piece = ids[start : start + chunk][None]
+        keep = torch.arange(0, piece.shape[1], stride)  # positions scored in this chunk
+        logprobs = {}
+        for n, cache in live.items():
+            logits = model(piece, cache=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
+            logprobs[n] = torch.log_softmax(logits, dim=-1)
+        reference = logprobs["fp16"]
+        positions = start + keep
+        bucket = torch.bucketize(positions, torch.tensor(BUCKETS[1:]), right=True)
+        for b in range(len(BUCKETS) - 1):
+            kl_count[b] += int((bucket == b).sum())
+        for n in caches:
+            kl = (reference.exp() * (reference - logprobs[n])).sum(-1)
+            for b in range(len(BUCKETS) - 1):
+                kl_sum[n][b] += float(kl[bucket == b].sum())
+        end = start + piece.shape[1]
+        if retrieval and end in CELLS:
+            for needle in (p for p in placed if p["cell"] == end):
+                question = question_ids(tokenizer, needle["key"])
+                for n, cache in live.items():
+                    if n == "fp16":
+                        continue
+                    text = tokenizer.decode(answer(model, copy.deepcopy(cache), question))
+                    retrieval_rows.append({"cache": n, "cell": end, "depth": needle["depth"], "key": needle["key"],
+                                           "correct": needle["value"] in text, "answer": text})  # fmt: skip
+            if end == MULTI_TURN_CELL:
+                turns = multi_turn(model, tokenizer, live, [p for p in placed if p["cell"] == end])
+        print(f"  {name}: {end} tokens, {time.time() - started:.0f} s", file=sys.stderr, flush=True)
+    nbytes = {n: _held(c) for n, c in live.items()}
+    kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
+                                        for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
+    return {"model": name, "tokens": int(ids.numel()), "kl": kl_rows, "retrieval": retrieval_rows,
+            "multi_turn": turns, "bytes_held": nbytes, "fp16_bytes": 2 * _elements(live["fp16"]),
+            "seconds": round(time.time() - started, 1)}  # fmt: skip
+
+
+def multi_turn(model, tokenizer, live: dict, asked: list[dict]) -> dict:
+    """The questions in successive turns on one copy per cache, each cache's answers carried into its next turn."""
+    answers = {}
+    for n, cache in live.items():
+        if n == "fp16":
+            continue
+        carried, out = copy.deepcopy(cache), []
+        for needle in asked:
+            tokens = answer(model, carried, question_ids(tokenizer, needle["key"]))
+            out.append({"key": needle["key"], "tokens": tokens, "correct": needle["value"] in tokenizer.decode(tokens)})
+            end_turn = tokenizer("<|im_end|>\n<|im_start|>user\n", return_tensors="pt").input_ids  # ChatML
+            model(end_turn, cache=carried, use_cache=True)
+        answers[n] = out
+    reference = answers.get("dynamic", [])
+    for n, out in answers.items():
+        same = sum(a["tokens"] == r["tokens"] for a, r in zip(out, reference, strict=True))
+        answers[n] = {"turns": out, "same_as_dynamic": same, "of": len(out)}
+    return answers
+
+
+def _elements(cache) -> int:
+    return sum(layer.num_elements() for layer in cache.layers)
+
+
+def _held(cache) -> int:
+    return cache.nbytes() if hasattr(cache, "nbytes") else nbytes_of([vars(layer) for layer in cache.layers])
+
+
+def memory_child(name: str, cache_name: str, length: int, chunk: int) -> dict:
+    """In a fresh process: RSS after the model loads, peak RSS of prefill + 64 decoding steps, bytes held."""
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model(name)
+    baseline = _rss_now()
+    ids = torch.tensor(tokenizer(WIKITEXT_TEST.read_text()[: length * 8]).input_ids[:length])[None]
+    cache = make(cache_name, model)
+    for start in range(0, length, chunk):
+        logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
+    after_prefill = _held(cache)
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(64):
+        token = model(token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"cache": cache_name, "tokens": length, "peak_rss": peak, "model_rss": baseline,
+            "peak_above_model": peak - baseline, "held_after_prefill": after_prefill, "held_after_decode": _held(cache),
+            "fp16_bytes": 2 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+            if cache_name == "dynamic" else 2 * _elements(cache)}  # fmt: skip
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory(name: str, caches: tuple[str, ...], lengths: tuple[int, ...], chunk: int) -> list[dict]:
+    rows = []
+    for length in lengths:
+        for cache_name in caches:
+            done = subprocess.run([sys.executable, __file__, "--memory-child", f"{name},{cache_name},{length},{chunk}"],
+                                  capture_output=True, text=True, cwd=Path(__file__).parent)  # fmt: skip
+            if done.returncode:
+                raise RuntimeError(f"memory run {cache_name} @ {length} failed: {done.stderr[-2000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  memory {cache_name} @ {length}: peak {rows[-1]['peak_rss'] / 2**20:.0f} MiB", file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="SmolLM2 to 2K tokens, every part (the CI's version)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--caches", default=",".join(CACHES))
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--stride", type=int, default=4, help="score every stride-th position")
+    parser.add_argument("--memory-caches", default="dynamic,delta,delta-3.5,snapkv")
+    parser.add_argument("--memory-lengths", default="8192,32768")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS / "long_context.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.memory_child:
+        name, cache_name, length, chunk = args.memory_child.split(",")
+        print(json.dumps(memory_child(name, cache_name, int(length), int(chunk))))
+        return 0
+    caches = tuple(c for c in args.caches.split(",") if c)
+    models = {m: MODELS[m] for m in args.models.split(",")}
+    memory_lengths = tuple(int(n) for n in args.memory_lengths.split(","))
+    if args.quick:
+        models, memory_lengths = {"smollm2-135m": 2048}, (2048,)
+        global CELLS, MULTI_TURN_CELL
+        CELLS, MULTI_TURN_CELL = (1024, 2048), 2048
+    started = time.time()
+    results = [
+        run_model(name, length, caches, args.chunk, args.stride, retrieval=name == RETRIEVAL_MODEL or args.quick)
+        for name, length in models.items()
+    ]
+    retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
+    memory_rows = [] if args.no_memory else memory(
+        retrieval_model if retrieval_model in models else next(iter(models)),
+        tuple(args.memory_caches.split(",")), memory_lengths, args.chunk,
+    )  # fmt: skip
+    config = {"caches": list(caches), "specs": SPECS, "chunk": args.chunk, "stride": args.stride, "quick": args.quick,
+              "cells": list(CELLS), "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
+              "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+              "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - started, 1)}  # fmt: skip
+    write_json({"config": config, "models": results, "memory": memory_rows}, args.out)
+    print(f"wrote {args.out} in {config['seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
