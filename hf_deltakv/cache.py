@@ -118,9 +118,9 @@ class StreamCache(Cache):
         if layer_idx == 0:  # a forward starts: its starting state is kept until its last layer has been read
             self._recover()
             layers = len(self._layer_types) if self._layer_types else len(self.layers)
-            self.forward.start(
-                len(self.layers), [entry for layer in self.layers for entry in layer._snapshot()], layers
-            )
+            saved = [(self.positions, dict(vars(self.positions)))]  # the shared log, even before any layer exists
+            saved += [entry for layer in self.layers for entry in layer._snapshot()]
+            self.forward.start(len(self.layers), saved, layers)
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
             if getattr(self, "_record_past", False):
@@ -144,6 +144,12 @@ class StreamCache(Cache):
         StreamLayer._restore(saved)
         del self.layers[count:]
         self.forward.saved = None
+        warnings.warn(
+            "hf_deltakv: the last forward did not reach every layer of the model (stopped midway, or layers fed by "
+            "hand); the cache is back to its state before that forward",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def nbytes(self) -> int:
         """Bytes of all state held: every layer's packed storage, the shared position log, and, during a forward (or

@@ -74,7 +74,8 @@ def test_an_interrupted_decoding_step_is_undone(name, arch):
     with pytest.raises(Interrupted), torch.no_grad():
         model(first[:, -1:], cache=cache, use_cache=True)
     handle.remove()
-    assert cache.get_seq_length() == first.shape[1] - 1
+    with pytest.warns(RuntimeWarning, match="did not reach every layer"):
+        assert cache.get_seq_length() == first.shape[1] - 1
     assert [(layer.nbytes(), layer.cumulative_length) for layer in cache.layers] == before
     assert cache.nbytes() == held_bytes(cache)  # nothing the interrupted forward grew is left behind
     assert torch.equal(greedy(model, first, cache), greedy(model, first, reference))
@@ -88,7 +89,8 @@ def test_an_interrupted_prefill_is_undone_when_the_cache_knows_the_model(name):
     with pytest.raises(Interrupted):
         greedy(model, prompt(), cache)
     handle.remove()
-    assert cache.get_seq_length() == 0
+    with pytest.warns(RuntimeWarning, match="back to its state before that forward"):
+        assert cache.get_seq_length() == 0
     assert torch.equal(greedy(model, prompt(), cache), greedy(model, prompt(), CACHES[name](model)))
 
 

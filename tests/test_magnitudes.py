@@ -54,10 +54,11 @@ def test_finite_in_finite_out(name, keys, values):
     tokens = min(keys.shape[2], values.shape[2])
     keys, values = keys[:, :, :tokens], values[:, :, :tokens]
     cache = CACHES[name](model())
+    layers = model().config.num_hidden_layers  # a cache built for a model is fed as its forwards feed it: every layer
     split = tokens // 2
-    cache.update(keys[:, :, :split], values[:, :, :split], 0)
-    for t in range(split, tokens):  # decoding steps: the per-token paths
-        out_k, out_v = cache.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], 0)
+    for part in [slice(0, split)] + [slice(t, t + 1) for t in range(split, tokens)]:  # prefill, then decoding steps
+        outputs = [cache.update(keys[:, :, part], values[:, :, part], layer) for layer in range(layers)]
+    out_k, out_v = outputs[0]
     for out, given_ in ((out_k, keys), (out_v, values)):
         out = out.float()
         assert torch.isfinite(out).all(), name

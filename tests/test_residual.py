@@ -77,7 +77,7 @@ def test_token_by_token_equals_one_shot():
     steps = ResidualKVCache(model=model, compressor=compressor)
     for t in range(20):
         _feed(model, ids[:, t : t + 1], steps)
-    assert whole.nbytes() == steps.nbytes()
+    assert whole.nbytes() <= steps.nbytes() <= 1.05 * whole.nbytes()  # appends keep room (1/32 of what is held)
     for a, b in zip(whole.layers[0].reconstruct(), steps.layers[0].reconstruct(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
