@@ -2,7 +2,8 @@
 
 One pass per model over one long real document (WikiText-2 test) read through every cache in chunks of `--chunk`
 tokens, all caches in lockstep (each chunk attends to the history as that cache stores it):
-a. error against length: KL divergence from the fp16 cache per position bucket (every `--stride`-th position);
+a. error against length: KL divergence from DynamicCache (the model's own cache, fp32: fp16 storage differs from it
+   by ~2e-4 in the logits, tests/test_families.py) per position bucket (every `--stride`-th position);
 b. retrieval, RULER-style multi-key needles (Qwen2.5-Coder only, the model of the three that retrieves): the document
    is a chat turn whose text carries "One of the special magic numbers for <key> is: <7 digits>." needles, 10 per
    context length at depths 5 %, 15 %, ..., 95 % of that length (each a distractor for the others); when the
@@ -10,13 +11,14 @@ b. retrieval, RULER-style multi-key needles (Qwen2.5-Coder only, the model of th
    the cache per question, the question ending the turn), greedy, correct when the 7 digits come back;
 c. multi-turn: at 8K, the 10 questions of that length in successive turns on one copy of each cache (its own
    answers carried), answers compared with DynamicCache's turn by turn;
-d. memory (`--memory`): a separate process per cache and length (prefill in chunks + 64 greedy decoding steps):
+d. memory: a separate process per cache and length (prefill in chunks + 64 greedy decoding steps; 16 in --quick):
    peak resident memory, and above the loaded model; bytes held after the prefill and after decoding.
 Eviction baselines decide what to drop after every chunk, before any question is known (as in a conversation over
 a long shared context).
 
     python benchmarks/long_context.py                     # all parts, three models (~60 min on 2 cores)
-    python benchmarks/long_context.py --quick             # SmolLM2 to 2K: the CI's short version (~2 min)
+    python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (~45 min)
+    python benchmarks/long_context.py --quick             # SmolLM2 to 2K, 2 needles: the CI's version (~2 min)
 
 Writes benchmarks/results/long_context.json.
 """
@@ -29,6 +31,7 @@ import json
 import os
 import platform
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -36,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from paths import RESULTS, WIKITEXT_TEST
+from paths import RESULTS, WIKITEXT_TEST, reachable_bytes
 from transformers.cache_utils import DynamicCache
 
 from hf_deltakv.compare import write_json
@@ -44,15 +47,20 @@ from hf_deltakv.models import load_model
 from hf_deltakv.quant import nbytes_of
 from hf_deltakv.registry import build_cache
 
-CACHES = ("delta", "delta-3.5", "kivi-pre-rope", "q4_0-rot", "streaming-llm", "snapkv")
 SPECS = {"delta-3.5": "delta:kf=64,key_bits=2.75,values=q3_0"}  # names of this table for longer specs
-MODELS = {"qwen2.5-coder-0.5b": 32768, "gemma3-270m": 32768, "smollm2-135m": 8192}
+# Model -> (tokens, caches). A 32K pass of Qwen2.5-Coder-0.5B costs ~12 min per cache on 2 cores, so the two 32K
+# models read fewer caches than SmolLM2 (8K), which reads ours, KIVI's layout and both eviction baselines.
+MODELS = {
+    "qwen2.5-coder-0.5b": (32768, ("delta", "snapkv")),
+    "smollm2-135m": (8192, ("delta", "delta-3.5", "kivi-pre-rope", "streaming-llm", "snapkv")),
+    "gemma3-270m": (32768, ("delta",)),
+}  # fmt: skip
 RETRIEVAL_MODEL = "qwen2.5-coder-0.5b"
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CELLS = (4096, 8192, 16384, 32768)
 NEEDLES_PER_CELL = 10
 MULTI_TURN_CELL = 8192
-ANSWER_TOKENS = 10
+ANSWER_TOKENS = 9  # " 1234567." and the end of the turn
 NOUNS = ("river", "lantern", "orchard", "comet", "harbor", "violin", "glacier", "meadow", "falcon", "quartz", "canyon",
          "saffron", "compass", "pylon", "ember", "thicket", "marble", "cobalt", "tundra", "beacon")  # fmt: skip
 ADJECTIVES = ("silent", "amber", "hollow", "rapid", "velvet", "brisk", "lunar", "crimson", "gentle", "rustic")
@@ -122,8 +130,7 @@ def make(name: str, model):
 def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stride: int, retrieval: bool) -> dict:
     model, tokenizer = load_model(name)
     ids, placed, _ = build_document(tokenizer, max_len, retrieval)
-    names = ("fp16", *(("dynamic",) if retrieval else ()), *caches)
-    live = {n: make(n if n != "fp16" else "fp16", model) for n in names}
+    live = {n: make(n, model) for n in ("dynamic", *caches)}
     kl_sum = {n: [0.0] * (len(BUCKETS) - 1) for n in caches}
     kl_count = [0] * (len(BUCKETS) - 1)
     retrieval_rows, turns = [], {}
@@ -135,7 +142,7 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
         for n, cache in live.items():
             logits = model(piece, cache=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
             logprobs[n] = torch.log_softmax(logits, dim=-1)
-        reference = logprobs["fp16"]
+        reference = logprobs["dynamic"]
         positions = start + keep
         bucket = torch.bucketize(positions, torch.tensor(BUCKETS[1:]), right=True)
         for b in range(len(BUCKETS) - 1):
@@ -149,8 +156,6 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
             for needle in (p for p in placed if p["cell"] == end):
                 question = question_ids(tokenizer, needle["key"])
                 for n, cache in live.items():
-                    if n == "fp16":
-                        continue
                     text = tokenizer.decode(answer(model, copy.deepcopy(cache), question))
                     retrieval_rows.append({"cache": n, "cell": end, "depth": needle["depth"], "key": needle["key"],
                                            "correct": needle["value"] in text, "answer": text})  # fmt: skip
@@ -158,59 +163,82 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
                 turns = multi_turn(model, tokenizer, live, [p for p in placed if p["cell"] == end])
         print(f"  {name}: {end} tokens, {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     nbytes = {n: _held(c) for n, c in live.items()}
+    reachable = {n: reachable_bytes(c) for n, c in live.items() if hasattr(c, "nbytes")}  # what nbytes() must match
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
     return {"model": name, "tokens": int(ids.numel()), "kl": kl_rows, "retrieval": retrieval_rows,
-            "multi_turn": turns, "bytes_held": nbytes, "fp16_bytes": 2 * _elements(live["fp16"]),
+            "multi_turn": turns, "bytes_held": nbytes, "reachable_bytes": reachable,
+            "fp16_bytes": _fp16_bytes(live["dynamic"]),
             "seconds": round(time.time() - started, 1)}  # fmt: skip
 
 
 def multi_turn(model, tokenizer, live: dict, asked: list[dict]) -> dict:
     """The questions in successive turns on one copy per cache, each cache's answers carried into its next turn."""
     answers = {}
+    end_turn = tokenizer("<|im_end|>\n<|im_start|>user\n", return_tensors="pt").input_ids  # ChatML
     for n, cache in live.items():
-        if n == "fp16":
-            continue
         carried, out = copy.deepcopy(cache), []
         for needle in asked:
             tokens = answer(model, carried, question_ids(tokenizer, needle["key"]))
-            out.append({"key": needle["key"], "tokens": tokens, "correct": needle["value"] in tokenizer.decode(tokens)})
-            end_turn = tokenizer("<|im_end|>\n<|im_start|>user\n", return_tensors="pt").input_ids  # ChatML
+            text = tokenizer.decode(tokens)
+            out.append({"key": needle["key"], "tokens": tokens, "answer": _number(text),
+                        "correct": needle["value"] in text})  # fmt: skip
             model(end_turn, cache=carried, use_cache=True)
         answers[n] = out
     reference = answers.get("dynamic", [])
     for n, out in answers.items():
-        same = sum(a["tokens"] == r["tokens"] for a, r in zip(out, reference, strict=True))
-        answers[n] = {"turns": out, "same_as_dynamic": same, "of": len(out)}
+        pairs = list(zip(out, reference, strict=True))
+        answers[n] = {"turns": out, "same_as_dynamic": sum(a["answer"] == r["answer"] for a, r in pairs),
+                      "same_tokens_as_dynamic": sum(a["tokens"] == r["tokens"] for a, r in pairs),
+                      "correct": sum(a["correct"] for a in out), "of": len(out)}  # fmt: skip
     return answers
 
 
-def _elements(cache) -> int:
-    return sum(layer.num_elements() for layer in cache.layers)
+def _number(text: str) -> str:
+    """The answer a turn gives: its first run of digits (the rest of the 9 tokens is the turn's end)."""
+    found = re.search(r"\d+", text)
+    return found.group(0) if found else text.strip()
+
+
+def _fp16_bytes(cache: DynamicCache) -> int:
+    """DynamicCache's bytes were it kept fp16 (2 bytes per scalar it holds; sliding layers hold their window)."""
+    return 2 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
 
 
 def _held(cache) -> int:
     return cache.nbytes() if hasattr(cache, "nbytes") else nbytes_of([vars(layer) for layer in cache.layers])
 
 
-def memory_child(name: str, cache_name: str, length: int, chunk: int) -> dict:
-    """In a fresh process: RSS after the model loads, peak RSS of prefill + 64 decoding steps, bytes held."""
+DECODE_STEPS = 64  # decoding steps after the prefill in the memory runs
+
+
+def memory_child(name: str, cache_name: str, length: int, chunk: int, steps: int) -> dict:
+    """In a fresh process: RSS after the model loads, peak RSS of prefill + `steps` decoding steps, bytes held."""
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(name)
-    baseline = _rss_now()
     ids = torch.tensor(tokenizer(WIKITEXT_TEST.read_text()[: length * 8]).input_ids[:length])[None]
+    model(ids[:, :16], cache=DynamicCache(config=model.config), use_cache=True)  # weights paged in (mmapped files)
+    baseline = _rss_now()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here on: loading the model is not counted
     cache = make(cache_name, model)
     for start in range(0, length, chunk):
         logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
     after_prefill = _held(cache)
     token = logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(64):
+    for _ in range(steps):
         token = model(token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     return {"cache": cache_name, "tokens": length, "peak_rss": peak, "model_rss": baseline,
-            "peak_above_model": peak - baseline, "held_after_prefill": after_prefill, "held_after_decode": _held(cache),
-            "fp16_bytes": 2 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
-            if cache_name == "dynamic" else 2 * _elements(cache)}  # fmt: skip
+            "peak_above_model": peak - baseline, "held_after_prefill": after_prefill,
+            "held_after_decode": _held(cache), "decode_steps": steps}  # fmt: skip
+
+
+def _peak_rss() -> int:
+    """VmHWM: the process's peak resident memory since the last reset (bytes)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _rss_now() -> int:
@@ -218,11 +246,12 @@ def _rss_now() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory(name: str, caches: tuple[str, ...], lengths: tuple[int, ...], chunk: int) -> list[dict]:
+def memory(name: str, caches: tuple[str, ...], lengths: tuple[int, ...], chunk: int, steps: int) -> list[dict]:
     rows = []
     for length in lengths:
         for cache_name in caches:
-            done = subprocess.run([sys.executable, __file__, "--memory-child", f"{name},{cache_name},{length},{chunk}"],
+            job = f"{name},{cache_name},{length},{chunk},{steps}"
+            done = subprocess.run([sys.executable, __file__, "--memory-child", job],
                                   capture_output=True, text=True, cwd=Path(__file__).parent)  # fmt: skip
             if done.returncode:
                 raise RuntimeError(f"memory run {cache_name} @ {length} failed: {done.stderr[-2000:]}")
@@ -235,38 +264,45 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="SmolLM2 to 2K tokens, every part (the CI's version)")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--caches", default=",".join(CACHES))
+    parser.add_argument("--caches", default=None, help="caches for every model (default: each model's, MODELS)")
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--stride", type=int, default=4, help="score every stride-th position")
-    parser.add_argument("--memory-caches", default="dynamic,delta,delta-3.5,snapkv")
+    parser.add_argument("--memory-caches", default="dynamic,delta")
     parser.add_argument("--memory-lengths", default="8192,32768")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap every model's document (and memory runs)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "long_context.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     if args.memory_child:
-        name, cache_name, length, chunk = args.memory_child.split(",")
-        print(json.dumps(memory_child(name, cache_name, int(length), int(chunk))))
+        name, cache_name, length, chunk, steps = args.memory_child.split(",")
+        print(json.dumps(memory_child(name, cache_name, int(length), int(chunk), int(steps))))
         return 0
-    caches = tuple(c for c in args.caches.split(",") if c)
-    models = {m: MODELS[m] for m in args.models.split(",")}
-    memory_lengths = tuple(int(n) for n in args.memory_lengths.split(","))
-    if args.quick:
-        models, memory_lengths = {"smollm2-135m": 2048}, (2048,)
-        global CELLS, MULTI_TURN_CELL
-        CELLS, MULTI_TURN_CELL = (1024, 2048), 2048
+    override = tuple(c for c in args.caches.split(",") if c) if args.caches else None
+    cap = args.max_tokens or max(BUCKETS)
+    models = {m: (min(MODELS[m][0], cap), override or MODELS[m][1]) for m in args.models.split(",")}
+    memory_lengths = tuple(n for n in (int(n) for n in args.memory_lengths.split(",")) if n <= cap) or (cap,)
+    memory_caches = tuple(args.memory_caches.split(","))
+    global CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL
+    if args.quick:  # every part, small: ~2 min
+        models, memory_lengths = {"smollm2-135m": (2048, override or ("delta", "snapkv"))}, (2048,)
+        memory_caches = ("dynamic", "delta")
+        CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (2048,), 2048, 2
+    CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
+    MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
     started = time.time()
     results = [
         run_model(name, length, caches, args.chunk, args.stride, retrieval=name == RETRIEVAL_MODEL or args.quick)
-        for name, length in models.items()
+        for name, (length, caches) in models.items()
     ]
     retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
     memory_rows = [] if args.no_memory else memory(
         retrieval_model if retrieval_model in models else next(iter(models)),
-        tuple(args.memory_caches.split(",")), memory_lengths, args.chunk,
+        memory_caches, memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS,
     )  # fmt: skip
-    config = {"caches": list(caches), "specs": SPECS, "chunk": args.chunk, "stride": args.stride, "quick": args.quick,
+    read = {name: list(caches) for name, (_, caches) in models.items()}
+    config = {"caches": read, "specs": SPECS, "chunk": args.chunk, "stride": args.stride, "quick": args.quick,
               "cells": list(CELLS), "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
               "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - started, 1)}  # fmt: skip

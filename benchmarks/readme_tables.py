@@ -112,8 +112,148 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def summary() -> str:
-    """Where we stand (quality.json), then DeltaKVCache below its default bits (bit_tradeoff.json)."""
-    return side_by_side("quality.json", SUMMARY_CACHES) + "\n\n" + side_by_side("bit_tradeoff.json")
+    """Where we stand (quality.json), then DeltaKVCache below its default bits (bit_tradeoff.json), the supported
+    models' line (supported_models.json) and the long-context tables (long_context.json)."""
+    parts = [newcomer_times(), side_by_side("quality.json", SUMMARY_CACHES), side_by_side("bit_tradeoff.json")]
+    parts.append(supported_models_line())
+    return "\n\n".join([*parts, long_context_tables(brief=True)])
+
+
+def newcomer_times() -> str:
+    """The README's first command as `newcomer.py` timed it on a fresh clone and venv."""
+    table = _load("newcomer.json")
+    if not table:
+        return "(run benchmarks/newcomer.py)"
+    seconds = {row["step"]: row["seconds"] for row in table["rows"]}
+    text = (
+        f"measured by `benchmarks/newcomer.py` on a fresh clone and venv,"
+        f" {table['config']['cores']} cores: the install "
+        f"{seconds['install (command 1)']:.0f} s, then the table after {seconds['hf-deltakv ppl, first run']:.0f} s "
+        f"the first time (the model converted once) and {seconds['hf-deltakv ppl, second run']:.0f} s after"
+    )
+    if "tests" in seconds:
+        text += f"; the tests {seconds['tests'] / 60:.0f} min"
+    return text
+
+
+def supported_models_line() -> str:
+    """One sentence from the family matrix: families served pre-RoPE or after it, families refused and why."""
+    table = _load("supported_models.json")
+    if not table:
+        return "(run benchmarks/supported_models.py)"
+    rows, refused = table["rows"], table["refused"]
+    pre = [r["family"] for r in rows if r["pre_rope"]]
+    post = [f"{r['family']} ({r['rope']})" for r in rows if not r["pre_rope"]]
+    why = "; ".join(f"{r['family']}: {r['refused'].split(':')[0].split(', which')[0]}" for r in refused)
+    return (
+        f"**Supported models** (`benchmarks/supported_models.py`, tiny random models of transformers "
+        f"{table['config']['transformers']}): `DeltaKVCache(kf=32, model=model)` serves all {len(rows)} families "
+        f"tested; keys are coded before RoPE in {len(pre)} ({', '.join(pre)}) and as given in {len(post)} "
+        f"({', '.join(post)}); fp16 storage gives DynamicCache's logits within "
+        f"{max(r['fp16_max_logit_diff'] for r in rows):.0e}. Refused when the cache is built: {why}."
+    )
+
+
+def long_context_tables(brief: bool = False) -> str:
+    """Error against length, retrieval, multi-turn and memory (long_context.json); `brief`: the README's."""
+    result = _load("long_context.json")
+    if not result:
+        return "(run benchmarks/long_context.py)"
+    cfg, out = result["config"], []
+    for run in result["models"]:
+        buckets = [_span(b["from"], b["to"]) for b in run["kl"][0]["buckets"]]
+        out.append(
+            f"KL divergence from DynamicCache by position, {run['model']}, {run['tokens']} tokens of WikiText-2 test "
+            f"in chunks of {cfg['chunk']} (bytes held at the end vs DynamicCache at fp16):\n"
+        )
+        out.append("| cache | " + " | ".join(buckets) + " | last / first 1K | held vs fp16 | nbytes / reachable |")
+        out.append("|---|" + "---:|" * (len(buckets) + 3))
+        for row in run["kl"]:
+            kls = [b["kl"] for b in row["buckets"]]
+            first = [b["kl"] for b in row["buckets"] if b["to"] <= 1024]
+            base = sum(first) / len(first) if first else kls[0]
+            growth = f"{kls[-1] / base:.2f}x" if base > 1e-9 else "–"
+            held = run["bytes_held"][row["cache"]] / run["fp16_bytes"]
+            reach = run.get("reachable_bytes", {}).get(row["cache"])
+            counted = f"{run['bytes_held'][row['cache']] / reach:.3f}" if reach else "–"
+            cells = " | ".join(f"{k:.4f}" for k in kls)
+            out.append(f"| `{row['cache']}` | {cells} | {growth} | {held:.2f}x | {counted} |")
+        out.append("")
+        if run["retrieval"]:
+            cells = sorted({r["cell"] for r in run["retrieval"]})
+            caches = list(dict.fromkeys(r["cache"] for r in run["retrieval"]))
+            out.append(f"Retrieval ({run['model']}, RULER-style multi-key needles, correct of asked per context) and "
+                       "multi-turn (the questions of the multi-turn cell in successive turns, cache carried: answers "
+                       "equal to DynamicCache's; correct):\n")  # fmt: skip
+            out.append("| cache | " + " | ".join(f"{c // 1024}K" for c in cells) + " | multi-turn same | correct |")
+            out.append("|---|" + "---:|" * (len(cells) + 2))
+            for cache in caches:
+                cell_text = []
+                for c in cells:
+                    rows = [r for r in run["retrieval"] if r["cache"] == cache and r["cell"] == c]
+                    cell_text.append(f"{sum(r['correct'] for r in rows)}/{len(rows)}")
+                turns = run["multi_turn"].get(cache)
+                same = f"{turns['same_as_dynamic']}/{turns['of']}" if turns else "–"
+                correct = f"{turns['correct']}/{turns['of']}" if turns and "correct" in turns else "–"
+                out.append(f"| `{cache}` | " + " | ".join(cell_text) + f" | {same} | {correct} |")
+            out.append("")
+    if result["memory"] and not brief:
+        out.append("Memory: a fresh process per cache, prefill in chunks + 64 greedy decoding steps; peak resident "
+                   "memory (VmHWM, reset after the model is loaded and paged in) and bytes held:\n")  # fmt: skip
+        out.append("| cache | tokens | peak RSS MiB | above model MiB | held after prefill MiB | after decode MiB |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for row in result["memory"]:
+            out.append(f"| `{row['cache']}` | {row['tokens']} | {row['peak_rss'] / 2**20:.0f} | "
+                       f"{row['peak_above_model'] / 2**20:.0f} | {row['held_after_prefill'] / 2**20:.1f} | "
+                       f"{row['held_after_decode'] / 2**20:.1f} |")  # fmt: skip
+    return "\n".join(out).rstrip()
+
+
+def _span(start: int, end: int) -> str:
+    """Token positions as the issue names them: 0-512, 512-1K, 1-2K, ..., 16-32K."""
+    first = str(start // 1024) if start >= 1024 else str(start)
+    return f"{first}-{end // 1024}K" if end >= 1024 else f"{first}-{end}"
+
+
+def triton_table() -> None:
+    """Per kernel and target: configurations compiled, the most shared memory, registers and spills."""
+    result = _load("triton_compile.json")
+    if not result:
+        return
+    cfg, rows = result["config"], result["rows"]
+    print(f"\n## Triton kernels compiled without a GPU (Triton {cfg['triton']}, `triton_compile.json`, "
+          f"{cfg['seconds']:.0f} s)\n")  # fmt: skip
+    print("Every configuration the dispatch launches, compiled for each target; shared memory against the target's "
+          "limit, registers per thread and spills as the backend reports them (none for sm_90: its ptxas report is "
+          "not parsed yet; compile seconds with Triton's cache as the run found it). The Delta-KV article's MI50 is "
+          "gfx906, which Triton does not target.\n")  # fmt: skip
+    print("| kernel | target | configs | failed | max shared B (limit) | max registers | spills | compile s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for kernel in sorted({r["kernel"] for r in rows}):
+        for target in cfg["targets"]:
+            mine = [r for r in rows if r["kernel"] == kernel and r["target"] == target]
+            ok = [r for r in mine if r["error"] is None]
+            regs = [r["registers"] for r in ok if r.get("registers") is not None]
+            spills = [r["spills"] for r in ok if r.get("spills") is not None]
+            print(f"| `{kernel}` | {target} | {len(mine)} | {len(mine) - len(ok)} | "
+                  f"{max((r['shared'] for r in ok), default=0)} ({cfg['shared_limit'][target]}) | "
+                  f"{max(regs) if regs else '–'} | {max(spills) if spills else '–'} | "
+                  f"{sum(r['seconds'] for r in mine):.0f} |")  # fmt: skip
+
+
+def gpu_prediction_table() -> None:
+    result = _load("gpu_decode.json")
+    if not result or "predicted" not in result:
+        return
+    from gpu_decode import GPU_BANDWIDTH, predicted_markdown
+
+    print("\n## GPU decoding predicted from bytes read per step (`gpu_decode.py`, `gpu_decode.json`)\n")
+    print("Batch 1 decoding is bound by memory bandwidth: tokens/s = bandwidth / (weights read + cache read), "
+          "bf16 weights, the cache at the bits measured on SmolLM2, published peak bandwidth ("
+          + ", ".join(f"{gpu} {bw / 1e12:.2f} TB/s" for gpu, bw in GPU_BANDWIDTH.items())
+          + "). An upper bound: no GPU has timed our kernels yet, and the default `delta` key layout has no Triton "
+          "attention kernel (it takes the chunked PyTorch reference on GPUs).\n")  # fmt: skip
+    print(predicted_markdown(result["predicted"]))
 
 
 def results() -> None:
@@ -151,6 +291,21 @@ def results() -> None:
             ["clip_range", "prefill tok/s", "decode tok/s"],
             [[str(r["clip_range"]), f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}"] for r in cost["rows"]],
         )
+    table = _load("supported_models.json")
+    if table:
+        _table(
+            "Supported models (`supported_models.json`, tiny random models)",
+            ["family", "config", "keys coded", "RoPE found", "windowed layers", "fp16 max logit diff", "generates"],
+            [[r["family"], r["config"], "before RoPE" if r["pre_rope"] else "after RoPE", r["rope"],
+              "yes" if r["windowed_layers"] else "no", f"{r['fp16_max_logit_diff']:.1e}", "yes" if r["generated"]
+              else "no"] for r in table["rows"]]
+            + [[r["family"], r["config"], "refused", r["refused"], "", "", ""] for r in table["refused"]],
+        )  # fmt: skip
+    if _load("long_context.json"):
+        print("\n## Long contexts (`long_context.py`, `long_context.json`)\n")
+        print(long_context_tables())
+    triton_table()
+    gpu_prediction_table()
     sliding = _load("sliding_memory.json")
     if sliding:
         print("\n## Sliding-window layers: Gemma-3-270M, bytes held (`sliding_memory.json`)\n")

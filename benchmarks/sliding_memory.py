@@ -1,7 +1,8 @@
-"""Bytes held on Gemma-3-270M (5 of every 6 layers sliding-window 512) at 4K and 32K tokens: DeltaKVCache (with and
-without `model=`, which tells it the layer types) beside transformers' DynamicCache, which keeps only the window on
-sliding layers, in fp32 and as fp16. The model runs on random token ids, prefilled `STEP` tokens at a time (bytes
-do not depend on the text), so the cache is read the way attention reads it.
+"""Bytes held on Gemma-3-270M (5 of every 6 layers sliding-window 512) right after the prefill, before any decoding
+step, at 4K and 32K tokens: DeltaKVCache (with and without `model=`, which tells it the layer types) beside
+transformers' DynamicCache, which keeps only the window on sliding layers, in fp32 and as fp16. The model runs on
+random token ids (bytes do not depend on the text). The 4K prompt is one forward (one-shot); the 32K one is fed
+`STEP` tokens at a time (a one-shot 32K forward's attention scores alone would take ~16 GB on the CPU).
 
     python benchmarks/sliding_memory.py                  # ~10 min on 2 CPU cores
     python benchmarks/sliding_memory.py --lengths 4096   # ~1 min
@@ -13,7 +14,7 @@ import json
 import sys
 
 import torch
-from paths import RESULTS
+from paths import RESULTS, reachable_bytes
 from transformers import DynamicCache
 
 from hf_deltakv import DeltaKVCache
@@ -29,12 +30,16 @@ def held(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+ONE_SHOT_UP_TO = 4096  # prompts up to this length are prefilled in one forward
+
+
 @torch.no_grad()
 def fill(model, cache, tokens: int) -> None:
+    """The prefill only: what a cache holds before the first decoding step is the peak a prompt must fit in."""
     ids = torch.randint(10, 20_000, (1, tokens), generator=torch.Generator().manual_seed(0))
-    for start in range(0, tokens, STEP):
-        model(ids[:, start : start + STEP], cache=cache, use_cache=True, logits_to_keep=1)
-    model(ids[:, -1:], cache=cache, use_cache=True)  # one decode step: whatever a read codes is coded
+    step = tokens if tokens <= ONE_SHOT_UP_TO else STEP
+    for start in range(0, tokens, step):
+        model(ids[:, start : start + step], cache=cache, use_cache=True, logits_to_keep=1)
 
 
 def main() -> int:
@@ -54,10 +59,13 @@ def main() -> int:
         }
         for name, cache in caches.items():
             fill(model, cache, tokens)
-            rows.append({"cache": name, "tokens": tokens, "bytes": held(cache)})
+            prefill = "one-shot" if tokens <= ONE_SHOT_UP_TO else f"{STEP} tokens per forward"
+            rows.append({"cache": name, "tokens": tokens, "prefill": prefill, "bytes": held(cache)})
+            if hasattr(cache, "nbytes"):  # nbytes() against a walk over every tensor the cache holds
+                rows[-1]["reachable_bytes"] = reachable_bytes(cache)
             print(f"  {name} @ {tokens}: {rows[-1]['bytes'] / 2**20:.2f} MiB", file=sys.stderr, flush=True)
         fp32 = rows[-3]["bytes"]
-        rows.insert(len(rows) - 2, {"cache": "DynamicCache as fp16", "tokens": tokens, "bytes": fp32 // 2})
+        rows.insert(len(rows) - 2, {**rows[-3], "cache": "DynamicCache as fp16", "bytes": fp32 // 2})
     print("| cache | tokens | MiB held | vs DynamicCache fp16 |\n|---|---:|---:|---:|")
     for row in rows:
         fp16 = next(r["bytes"] for r in rows if r["tokens"] == row["tokens"] and r["cache"] == "DynamicCache as fp16")
@@ -66,7 +74,9 @@ def main() -> int:
     measured = {row["tokens"] for row in rows}
     if out.exists():  # lengths measured by an earlier run stay (one length at a time fits a short session)
         rows = [row for row in json.loads(out.read_text())["rows"] if row["tokens"] not in measured] + rows
-    out.write_text(json.dumps({"config": {"model": "gemma3-270m", "step": STEP}, "rows": rows}, indent=2) + "\n")
+    config = {"model": "gemma3-270m", "step": STEP, "one_shot_up_to": ONE_SHOT_UP_TO,
+              "measured": "after the prefill, before any decoding step"}  # fmt: skip
+    out.write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
