@@ -16,9 +16,9 @@ d. memory: a separate process per cache and length (prefill in chunks + 64 greed
 Eviction baselines decide what to drop after every chunk, before any question is known (as in a conversation over
 a long shared context).
 
-    python benchmarks/long_context.py                     # all parts, three models (~60 min on 2 cores)
-    python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (~45 min)
-    python benchmarks/long_context.py --quick             # SmolLM2 to 2K, 2 needles: the CI's version (~2 min)
+    python benchmarks/long_context.py                     # all parts, three models (estimated 2-3 h on 2 cores)
+    python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (estimated ~1 h)
+    python benchmarks/long_context.py --quick             # SmolLM2 to 2K, 2 needles: the CI's version (~2.5 min)
 
 Writes benchmarks/results/long_context.json.
 """
