@@ -16,9 +16,10 @@ d. memory: a separate process per cache and length (prefill in chunks + 64 greed
 Eviction baselines decide what to drop after every chunk, before any question is known (as in a conversation over
 a long shared context).
 
-    python benchmarks/long_context.py                     # all parts, three models (estimated 2-3 h on 2 cores)
-    python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (estimated ~1 h)
+    python benchmarks/long_context.py                     # all parts, three models to 32K (hours on 2 cores)
+    python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (35 min + memory runs)
     python benchmarks/long_context.py --quick             # SmolLM2 to 2K, 2 needles: the CI's version (~2.5 min)
+    python benchmarks/long_context.py --memory-only --memory-lengths 32768   # memory rows only, merged into the JSON
 
 Writes benchmarks/results/long_context.json.
 """
@@ -36,15 +37,15 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from paths import RESULTS, WIKITEXT_TEST, reachable_bytes
+from paths import RESULTS, WIKITEXT_TEST, fp16_bytes, held_bytes, reachable_bytes
 from transformers.cache_utils import DynamicCache
 
 from hf_deltakv.compare import write_json
 from hf_deltakv.models import load_model
-from hf_deltakv.quant import nbytes_of
 from hf_deltakv.registry import build_cache
 
 SPECS = {"delta-3.5": "delta:kf=64,key_bits=2.75,values=q3_0"}  # names of this table for longer specs
@@ -162,13 +163,13 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
             if end == MULTI_TURN_CELL:
                 turns = multi_turn(model, tokenizer, live, [p for p in placed if p["cell"] == end])
         print(f"  {name}: {end} tokens, {time.time() - started:.0f} s", file=sys.stderr, flush=True)
-    nbytes = {n: _held(c) for n, c in live.items()}
+    nbytes = {n: held_bytes(c) for n, c in live.items()}
     reachable = {n: reachable_bytes(c) for n, c in live.items() if hasattr(c, "nbytes")}  # what nbytes() must match
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
     return {"model": name, "tokens": int(ids.numel()), "kl": kl_rows, "retrieval": retrieval_rows,
             "multi_turn": turns, "bytes_held": nbytes, "reachable_bytes": reachable,
-            "fp16_bytes": _fp16_bytes(live["dynamic"]),
+            "fp16_bytes": fp16_bytes(live["dynamic"]),
             "seconds": round(time.time() - started, 1)}  # fmt: skip
 
 
@@ -200,15 +201,6 @@ def _number(text: str) -> str:
     return found.group(0) if found else text.strip()
 
 
-def _fp16_bytes(cache: DynamicCache) -> int:
-    """DynamicCache's bytes were it kept fp16 (2 bytes per scalar it holds; sliding layers hold their window)."""
-    return 2 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
-
-
-def _held(cache) -> int:
-    return cache.nbytes() if hasattr(cache, "nbytes") else nbytes_of([vars(layer) for layer in cache.layers])
-
-
 DECODE_STEPS = 64  # decoding steps after the prefill in the memory runs
 
 
@@ -223,14 +215,14 @@ def memory_child(name: str, cache_name: str, length: int, chunk: int, steps: int
     cache = make(cache_name, model)
     for start in range(0, length, chunk):
         logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
-    after_prefill = _held(cache)
+    after_prefill = held_bytes(cache)
     token = logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(steps):
         token = model(token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     peak = _peak_rss()
-    return {"cache": cache_name, "tokens": length, "peak_rss": peak, "model_rss": baseline,
+    return {"model": name, "cache": cache_name, "tokens": length, "peak_rss": peak, "model_rss": baseline,
             "peak_above_model": peak - baseline, "held_after_prefill": after_prefill,
-            "held_after_decode": _held(cache), "decode_steps": steps}  # fmt: skip
+            "held_after_decode": held_bytes(cache), "decode_steps": steps}  # fmt: skip
 
 
 def _peak_rss() -> int:
@@ -246,8 +238,16 @@ def _rss_now() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory(name: str, caches: tuple[str, ...], lengths: tuple[int, ...], chunk: int, steps: int) -> list[dict]:
-    rows = []
+def memory(
+    name: str,
+    caches: tuple[str, ...],
+    lengths: tuple[int, ...],
+    chunk: int,
+    steps: int,
+    rows: list[dict],
+    save: Callable[[bool], None],
+) -> None:
+    """One fresh process per cache and length (the peak is the process's own), each row saved as it comes."""
     for length in lengths:
         for cache_name in caches:
             job = f"{name},{cache_name},{length},{chunk},{steps}"
@@ -257,7 +257,7 @@ def memory(name: str, caches: tuple[str, ...], lengths: tuple[int, ...], chunk: 
                 raise RuntimeError(f"memory run {cache_name} @ {length} failed: {done.stderr[-2000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"  memory {cache_name} @ {length}: peak {rows[-1]['peak_rss'] / 2**20:.0f} MiB", file=sys.stderr)
-    return rows
+            save(False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-caches", default="dynamic,delta")
     parser.add_argument("--memory-lengths", default="8192,32768")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory runs, merged into --out's rows")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every model's document (and memory runs)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "long_context.json"))
@@ -292,22 +293,33 @@ def main(argv: list[str] | None = None) -> int:
     CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
     MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
     started = time.time()
-    results = [
-        run_model(name, length, caches, args.chunk, args.stride, retrieval=name == RETRIEVAL_MODEL or args.quick)
-        for name, (length, caches) in models.items()
-    ]
-    retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
-    memory_rows = [] if args.no_memory else memory(
-        retrieval_model if retrieval_model in models else next(iter(models)),
-        memory_caches, memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS,
-    )  # fmt: skip
     read = {name: list(caches) for name, (_, caches) in models.items()}
     config = {"caches": read, "specs": SPECS, "chunk": args.chunk, "stride": args.stride, "quick": args.quick,
               "cells": list(CELLS), "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
               "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-              "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - started, 1)}  # fmt: skip
-    write_json({"config": config, "models": results, "memory": memory_rows}, args.out)
-    print(f"wrote {args.out} in {config['seconds']:.0f} s", file=sys.stderr)
+              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    results, memory_rows = [], []
+    if args.memory_only:  # the rows of other caches and lengths, and the rest of the earlier run, stay
+        earlier = json.loads(Path(args.out).read_text())
+        config, results = {**earlier["config"], "memory_only": {"lengths": list(memory_lengths)}}, earlier["models"]
+        asked = {(c, n) for c in memory_caches for n in memory_lengths}
+        memory_rows = [row for row in earlier["memory"] if (row["cache"], row["tokens"]) not in asked]
+
+    def save(done: bool) -> None:  # after every model and memory run: a long run stopped midway keeps what it measured
+        run = {"seconds": round(time.time() - started, 1), "complete": done}
+        full = {**config, "memory_only": {**config["memory_only"], **run}} if args.memory_only else {**config, **run}
+        write_json({"config": full, "models": results, "memory": memory_rows}, args.out)
+
+    for name, (length, caches) in models.items() if not args.memory_only else ():
+        retrieval = name == RETRIEVAL_MODEL or args.quick
+        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval=retrieval))
+        save(done=False)
+    retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
+    if not args.no_memory:
+        memory(retrieval_model if retrieval_model in models else next(iter(models)), memory_caches,
+               memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS, memory_rows, save)  # fmt: skip
+    save(done=True)
+    print(f"wrote {args.out} in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Where the benchmarks read their text and write their results (one place for every script)."""
+"""Where the benchmarks read their text and write their results, and how they count a cache's bytes (one place for
+every script)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,18 @@ def reachable_bytes(cache) -> int:
     from tests.test_bytes import held_bytes
 
     return held_bytes(cache)
+
+
+def held_bytes(cache) -> int:
+    """Bytes a cache holds: ours say it (`nbytes()`, held to `reachable_bytes`); transformers' caches are summed over
+    every tensor their layers keep."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    from hf_deltakv.quant import nbytes_of
+
+    return nbytes_of([vars(layer) for layer in cache.layers])
+
+
+def fp16_bytes(cache) -> int:
+    """A DynamicCache's bytes were it kept fp16: 2 per scalar it holds (sliding layers hold their window)."""
+    return 2 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)

@@ -14,7 +14,7 @@ import json
 import sys
 
 import torch
-from paths import RESULTS, reachable_bytes
+from paths import RESULTS, fp16_bytes, held_bytes, reachable_bytes
 from transformers import DynamicCache
 
 from hf_deltakv import DeltaKVCache
@@ -22,12 +22,6 @@ from hf_deltakv.models import load_model
 
 LENGTHS = (4096, 32768)
 STEP = 2048  # tokens per update (a chunked prefill)
-
-
-def held(cache) -> int:
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 ONE_SHOT_UP_TO = 4096  # prompts up to this length are prefilled in one forward
@@ -60,12 +54,12 @@ def main() -> int:
         for name, cache in caches.items():
             fill(model, cache, tokens)
             prefill = "one-shot" if tokens <= ONE_SHOT_UP_TO else f"{STEP} tokens per forward"
-            rows.append({"cache": name, "tokens": tokens, "prefill": prefill, "bytes": held(cache)})
+            rows.append({"cache": name, "tokens": tokens, "prefill": prefill, "bytes": held_bytes(cache)})
             if hasattr(cache, "nbytes"):  # nbytes() against a walk over every tensor the cache holds
                 rows[-1]["reachable_bytes"] = reachable_bytes(cache)
             print(f"  {name} @ {tokens}: {rows[-1]['bytes'] / 2**20:.2f} MiB", file=sys.stderr, flush=True)
-        fp32 = rows[-3]["bytes"]
-        rows.insert(len(rows) - 2, {**rows[-3], "cache": "DynamicCache as fp16", "bytes": fp32 // 2})
+        dynamic_fp16 = {**rows[-3], "cache": "DynamicCache as fp16", "bytes": fp16_bytes(caches["DynamicCache (fp32)"])}
+        rows.insert(len(rows) - 2, dynamic_fp16)
     print("| cache | tokens | MiB held | vs DynamicCache fp16 |\n|---|---:|---:|---:|")
     for row in rows:
         fp16 = next(r["bytes"] for r in rows if r["tokens"] == row["tokens"] and r["cache"] == "DynamicCache as fp16")

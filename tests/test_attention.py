@@ -195,6 +195,26 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
     )
 
 
+@pytest.mark.parametrize("key", ["adaptive-32", "delta"])
+def test_stream_attention_kernel_turns_long_runs_of_positions_exactly(key):
+    """The kernel turns consecutive positions a span at a time from an angle it computes exactly only every few
+    hundred tokens (rope.h); over 1,500 tokens at large positions, with a jump and a run of repeats (left padding)
+    midway, its attention stays within the parity tolerance of the reference's exact angles."""
+    batch, heads, dim, length = 1, 2, 64, 1500
+    keys = _stream(CODECS[key], length, batch, heads, dim, seed=4)
+    values = _stream(CODECS["q4_0"], length, batch, heads, dim, seed=5)
+    g = torch.Generator().manual_seed(6)
+    query = torch.randn(batch, heads, 3, dim, generator=g) * 3  # peaked scores: angle errors would show
+    rope = rope_angles(batch, length, dim, g)
+    rope.positions[:, 700:] += 5  # a jump inside a tile
+    rope.positions[:, 1000:1010] = rope.positions[:, 999:1000]  # repeats
+    no_sinks = torch.zeros(batch, heads, 0, dim)
+    args = (query, no_sinks, no_sinks, keys.layout(), values.layout(), rope, None, 1, length - 1, 0.125)
+    torch.testing.assert_close(
+        kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
+    )
+
+
 def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
     """CI must build the C++ kernel: a silent fallback would leave the parity tests comparing the reference with
     itself."""

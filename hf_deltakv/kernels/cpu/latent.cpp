@@ -339,7 +339,7 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
   const at::BFloat16* pk16 = bf16_keys ? keys.data_ptr<at::BFloat16>() : nullptr;
   const float* pmean = centered ? key_mean.data_ptr<float>() : nullptr;
   const int32_t* ppos = rope ? positions.data_ptr<int32_t>() : nullptr;
-  const double* pfreq = rope ? freqs.data_ptr<double>() : nullptr;
+  const hfd::RopeSteps rope_steps(rope ? freqs.data_ptr<double>() : nullptr, rope ? static_cast<int>(half) : 0);
   const bool* pa = masked ? allowed.data_ptr<bool>() : nullptr;
   const uint8_t* pcode = codes.data_ptr<uint8_t>();
   const at::Half* pscale = scales.data_ptr<at::Half>();
@@ -360,8 +360,7 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
       scores.assign(HR * n, 0.f);
       if (rope) {  // the task's RoPE angles, channel-major [half][n], shared by its heads
         rope_cos.resize(half * n), rope_sin.resize(half * n);
-        hfd::RopeRun(pfreq, static_cast<int>(half)).fill(ppos + b * positions.stride(0) + t0, n, rope_cos.data(),
-                                                         rope_sin.data(), n);
+        hfd::RopeRun(rope_steps).fill(ppos + b * positions.stride(0) + t0, n, rope_cos.data(), rope_sin.data(), n);
       }
       for (int64_t h = 0; h < H; ++h) {
         // This head's keys channel-major [D][n], RoPE re-applied (the tables are channel-major too).

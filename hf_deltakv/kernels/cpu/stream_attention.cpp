@@ -3,9 +3,10 @@
 //
 // Work items are (batch, kv head, token range); token ranges start on keyframes, so each item runs the delta
 // codec's closed loop on its own. Per tile of tokens: reconstruct keys (keyframe + deltas or plain blocks), undo the
-// Hadamard rotation (fast Walsh-Hadamard transform), re-apply RoPE from a cos/sin table, score every query row that
-// shares the kv head (GQA), fold into an online softmax, and accumulate values still in their rotated basis (the
-// rotation is linear, so it is undone once on the accumulated rows). Items are merged with log-sum-exp at the end.
+// Hadamard rotation (fast Walsh-Hadamard transform), re-apply RoPE (angles from the positions, rope.h), score every
+// query row that shares the kv head (GQA), fold into an online softmax, and accumulate values still in their rotated
+// basis (the rotation is linear, so it is undone once on the accumulated rows). Items are merged with log-sum-exp at
+// the end.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "rope.h"
@@ -577,7 +579,7 @@ void tile_scores(const float* kt, const float* q, int64_t rows, int cols, float*
 struct Args {
   const float* q;
   const int32_t* positions;  // of the stream's tokens [B, L] (rows `positions_stride` apart), or null: no RoPE
-  const double* freqs;       // [D / 2]: radians per position of each canonical pair
+  const hfd::RopeSteps* rope_steps;  // of the freqs [D / 2] (radians per position of each canonical pair), or null
   int64_t positions_stride = 0;
   const uint8_t* mask;
   const uint8_t* mask_base;  // mask of all tokens, sinks first
@@ -606,7 +608,8 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   alignas(64) float v_tile[TILE * D];
   alignas(64) float k_run[D], v_run[D], scratch[D];
   alignas(64) float rope_cos[D / 2 * TILE], rope_sin[D / 2 * TILE];  // channel-major: pair c of token j at c * TILE + j
-  hfd::RopeRun rope(a.freqs, a.freqs ? D / 2 : 0);  // (no pairs without RoPE)
+  const hfd::RopeSteps no_rope(nullptr, 0);
+  hfd::RopeRun rope(a.rope_steps ? *a.rope_steps : no_rope);
   Cursor k_cur, v_cur;
   k_cur.start(t_begin, keys.kf);
   v_cur.start(t_begin, values.kf);
@@ -715,7 +718,8 @@ at::Tensor stream_attention(
   TORCH_CHECK(values.length == length, "keys and values hold different numbers of tokens");
   Args a;
   a.q = query.data_ptr<float>();
-  a.positions = nullptr, a.freqs = nullptr;
+  a.positions = nullptr, a.rope_steps = nullptr;
+  std::unique_ptr<hfd::RopeSteps> rope_steps;
   if (positions.numel()) {
     TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.stride(1) == 1 &&
                     positions.size(0) == batch && positions.size(1) == length,
@@ -723,7 +727,8 @@ at::Tensor stream_attention(
     TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.is_contiguous() && freqs.numel() * 2 == dim,
                 "freqs must be float64 [head_dim / 2]");
     a.positions = positions.data_ptr<int32_t>(), a.positions_stride = positions.stride(0);
-    a.freqs = freqs.data_ptr<double>();
+    rope_steps = std::make_unique<hfd::RopeSteps>(freqs.data_ptr<double>(), static_cast<int>(dim / 2));
+    a.rope_steps = rope_steps.get();
   }
   a.mask_base = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
   a.mask = a.mask_base;
