@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from paths import RESULTS, WIKITEXT_TEST, fp16_bytes, held_bytes, reachable_bytes
+from paths import RESULTS, WIKITEXT_TEST, cache_bytes, fp16_bytes, reachable_bytes
 from transformers.cache_utils import DynamicCache
 
 from hf_deltakv.compare import write_json
@@ -163,7 +163,7 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
             if end == MULTI_TURN_CELL:
                 turns = multi_turn(model, tokenizer, live, [p for p in placed if p["cell"] == end])
         print(f"  {name}: {end} tokens, {time.time() - started:.0f} s", file=sys.stderr, flush=True)
-    nbytes = {n: held_bytes(c) for n, c in live.items()}
+    nbytes = {n: cache_bytes(c) for n, c in live.items()}
     reachable = {n: reachable_bytes(c) for n, c in live.items() if hasattr(c, "nbytes")}  # what nbytes() must match
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
@@ -215,14 +215,14 @@ def memory_child(name: str, cache_name: str, length: int, chunk: int, steps: int
     cache = make(cache_name, model)
     for start in range(0, length, chunk):
         logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
-    after_prefill = held_bytes(cache)
+    after_prefill = cache_bytes(cache)
     token = logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(steps):
         token = model(token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     peak = _peak_rss()
     return {"model": name, "cache": cache_name, "tokens": length, "peak_rss": peak, "model_rss": baseline,
             "peak_above_model": peak - baseline, "held_after_prefill": after_prefill,
-            "held_after_decode": held_bytes(cache), "decode_steps": steps}  # fmt: skip
+            "held_after_decode": cache_bytes(cache), "decode_steps": steps}  # fmt: skip
 
 
 def _peak_rss() -> int:

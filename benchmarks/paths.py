@@ -23,9 +23,9 @@ def reachable_bytes(cache) -> int:
     return held_bytes(cache)
 
 
-def held_bytes(cache) -> int:
+def cache_bytes(cache) -> int:
     """Bytes a cache holds: ours say it (`nbytes()`, held to `reachable_bytes`); transformers' caches are summed over
-    every tensor their layers keep."""
+    the storage of every tensor their layers keep."""
     if hasattr(cache, "nbytes"):
         return cache.nbytes()
     from hf_deltakv.quant import nbytes_of

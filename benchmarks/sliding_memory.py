@@ -14,7 +14,7 @@ import json
 import sys
 
 import torch
-from paths import RESULTS, fp16_bytes, held_bytes, reachable_bytes
+from paths import RESULTS, cache_bytes, fp16_bytes, reachable_bytes
 from transformers import DynamicCache
 
 from hf_deltakv import DeltaKVCache
@@ -54,7 +54,7 @@ def main() -> int:
         for name, cache in caches.items():
             fill(model, cache, tokens)
             prefill = "one-shot" if tokens <= ONE_SHOT_UP_TO else f"{STEP} tokens per forward"
-            rows.append({"cache": name, "tokens": tokens, "prefill": prefill, "bytes": held_bytes(cache)})
+            rows.append({"cache": name, "tokens": tokens, "prefill": prefill, "bytes": cache_bytes(cache)})
             if hasattr(cache, "nbytes"):  # nbytes() against a walk over every tensor the cache holds
                 rows[-1]["reachable_bytes"] = reachable_bytes(cache)
             print(f"  {name} @ {tokens}: {rows[-1]['bytes'] / 2**20:.2f} MiB", file=sys.stderr, flush=True)

@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "rope.h"
@@ -579,7 +578,7 @@ void tile_scores(const float* kt, const float* q, int64_t rows, int cols, float*
 struct Args {
   const float* q;
   const int32_t* positions;  // of the stream's tokens [B, L] (rows `positions_stride` apart), or null: no RoPE
-  const hfd::RopeSteps* rope_steps;  // of the freqs [D / 2] (radians per position of each canonical pair), or null
+  const hfd::RopeSteps* rope_steps;  // of the freqs [D / 2] (radians per position of each canonical pair)
   int64_t positions_stride = 0;
   const uint8_t* mask;
   const uint8_t* mask_base;  // mask of all tokens, sinks first
@@ -608,8 +607,7 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   alignas(64) float v_tile[TILE * D];
   alignas(64) float k_run[D], v_run[D], scratch[D];
   alignas(64) float rope_cos[D / 2 * TILE], rope_sin[D / 2 * TILE];  // channel-major: pair c of token j at c * TILE + j
-  const hfd::RopeSteps no_rope(nullptr, 0);
-  hfd::RopeRun rope(a.rope_steps ? *a.rope_steps : no_rope);
+  hfd::RopeRun rope(*a.rope_steps);
   Cursor k_cur, v_cur;
   k_cur.start(t_begin, keys.kf);
   v_cur.start(t_begin, values.kf);
@@ -718,8 +716,7 @@ at::Tensor stream_attention(
   TORCH_CHECK(values.length == length, "keys and values hold different numbers of tokens");
   Args a;
   a.q = query.data_ptr<float>();
-  a.positions = nullptr, a.rope_steps = nullptr;
-  std::unique_ptr<hfd::RopeSteps> rope_steps;
+  a.positions = nullptr;
   if (positions.numel()) {
     TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.stride(1) == 1 &&
                     positions.size(0) == batch && positions.size(1) == length,
@@ -727,9 +724,11 @@ at::Tensor stream_attention(
     TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.is_contiguous() && freqs.numel() * 2 == dim,
                 "freqs must be float64 [head_dim / 2]");
     a.positions = positions.data_ptr<int32_t>(), a.positions_stride = positions.stride(0);
-    rope_steps = std::make_unique<hfd::RopeSteps>(freqs.data_ptr<double>(), static_cast<int>(dim / 2));
-    a.rope_steps = rope_steps.get();
   }
+  // The angle table of the frequencies (none without RoPE), one per call, read by every work item.
+  const hfd::RopeSteps rope_steps(a.positions ? freqs.data_ptr<double>() : nullptr,
+                                  a.positions ? static_cast<int>(dim / 2) : 0);
+  a.rope_steps = &rope_steps;
   a.mask_base = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
   a.mask = a.mask_base;
   a.mask_length = sinks + length;
