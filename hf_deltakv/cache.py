@@ -118,9 +118,10 @@ class StreamCache(Cache):
         if layer_idx == 0:  # a forward starts: its starting state is kept until its last layer has been read
             self._recover()
             layers = len(self._layer_types) if self._layer_types else len(self.layers)
+            per_layer = {index: layer._snapshot() for index, layer in enumerate(self.layers)}
             saved = [(self.positions, dict(vars(self.positions)))]  # the shared log, even before any layer exists
-            saved += [entry for layer in self.layers for entry in layer._snapshot()]
-            self.forward.start(len(self.layers), saved, layers)
+            saved += [entry for entries in per_layer.values() for entry in entries]
+            self.forward.start(len(self.layers), saved, layers, per_layer)
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
             if getattr(self, "_record_past", False):
@@ -133,7 +134,9 @@ class StreamCache(Cache):
         every layer goes back to its state when that forward started, so the cache can be used again as if it had
         never run. Called where a forward starts (layer 0's update, what generate and the mask ask of layer 0
         first) and by operations on the whole cache, never between two layers of a running forward. (Without
-        `model=` the layer count is known only once a forward has completed.)"""
+        `model=` the layer count is known only once a forward has completed.) Whatever happens to the layers next,
+        their updates take new snapshots rather than the forward's (`ForwardLog.claim`)."""
+        self.forward.unclaimed = {}
         if self.forward.saved is None:
             return
         lengths = {layer.cumulative_length for layer in self.layers}
@@ -253,7 +256,7 @@ class StreamCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.positions.reset()
-        self.forward.saved = None
+        self.forward.saved, self.forward.unclaimed = None, {}
 
     def activate_past_recording(self) -> None:
         """Sliding layers keep what a crop back to the current forward needs (transformers' assisted decoding), also

@@ -202,6 +202,37 @@ def test_a_failed_update_leaves_the_cache_as_it_was(make, monkeypatch):
     assert cache.get_seq_length() == 21
 
 
+def test_a_failed_update_of_a_later_layer_leaves_it_as_the_forward_found_it(monkeypatch):
+    """A layer's update restores, on failure, the snapshot the cache took when the forward started (not copied again
+    per layer), with the shared position log as the earlier layers of this forward left it."""
+    model = tiny_model("llama")
+    cache = DeltaKVCache(kf=8, model=model)
+
+    def feed(layer: int, tokens: int = 1):
+        cache.update(torch.randn(1, 1, tokens, 32), torch.randn(1, 1, tokens, 32), layer)
+
+    for tokens in (20, 1):
+        feed(0, tokens), feed(1, tokens)
+    layer = cache.layers[1]
+    decoded = [t.clone() for t in layer.reconstruct()]
+    before = (layer.nbytes(), layer.cumulative_length)
+
+    def broken(x):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(layer.value_codec.inner, "append", broken)
+    feed(0)  # the next forward starts
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        feed(1)
+    monkeypatch.undo()
+    assert (layer.nbytes(), layer.cumulative_length) == before
+    for a, b in zip(layer.reconstruct(), decoded, strict=True):
+        assert torch.equal(a, b)
+    assert cache.positions.ids.shape[1] == cache.layers[0].cumulative_length == 22  # layer 0's token kept
+    feed(1)  # the same forward carries on
+    assert [lay.cumulative_length for lay in cache.layers] == [22, 22]
+
+
 @pytest.mark.parametrize("make", [lambda: DeltaKVCache(kf=8), lambda: QuantizedKVCache(rotate=True), KIVIKVCache])
 def test_caches_pickle(make):
     cache = make()

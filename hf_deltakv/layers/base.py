@@ -117,7 +117,7 @@ class StreamLayer(CacheLayerMixin):
         _check_states(key_states, value_states)
         if self.is_initialized:
             self._check_continuation(key_states, value_states)
-        saved = self._snapshot()
+        saved = self._saved_for_update()
         try:
             self._update(key_states, value_states, kwargs)
         except BaseException:
@@ -184,7 +184,16 @@ class StreamLayer(CacheLayerMixin):
     def _snapshot(self) -> list[tuple[object, dict]]:
         """Copies of this layer's and its storage's attributes, one level deep (dicts and lists copied; stored tensors
         are never changed in place, only replaced or appended past the rows a view covers)."""
-        return [(obj, {k: _copied(v) for k, v in vars(obj).items()}) for obj in (self, *self._state_objects())]
+        return [(obj, _attributes(obj)) for obj in (self, *self._state_objects())]
+
+    def _saved_for_update(self) -> list[tuple[object, dict]]:
+        """What a failed `update` restores: the snapshot the cache took of this layer when the forward started (its
+        state is unchanged until its own update; only the shared position log has moved on since, so it is copied
+        anew), else a new snapshot. Saves copying every layer's attributes twice per decoding step."""
+        kept = self.forward.claim(self.layer_index) if self.forward is not None else None
+        if kept is None:
+            return self._snapshot()
+        return [(obj, _attributes(obj) if obj is self.positions else attributes) for obj, attributes in kept]
 
     @staticmethod
     def _restore(saved: list[tuple[object, dict]]) -> None:
@@ -427,8 +436,15 @@ class StreamLayer(CacheLayerMixin):
         """Offloading is not supported; nothing to prefetch."""
 
 
-def _copied(value):
-    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+def _attributes(obj: object) -> dict:
+    """`obj`'s attributes, dicts and lists among them copied (one level deep)."""
+    attributes = dict(vars(obj))
+    for name, value in attributes.items():
+        if isinstance(value, dict):
+            attributes[name] = dict(value)
+        elif isinstance(value, list):
+            attributes[name] = list(value)
+    return attributes
 
 
 def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> torch.Tensor:
@@ -454,13 +470,18 @@ class ForwardLog:
     def __init__(self) -> None:
         self.saved: tuple[int, list] | None = None  # (layers that existed, their attributes)
         self.last = -1  # the index of the layer whose read ends the forward
+        self.unclaimed: dict[int, list] = {}  # layer index -> its entries of `saved`, until its update takes them
 
-    def start(self, layers: int, saved: list, total: int) -> None:
-        self.saved, self.last = (layers, saved), total - 1
+    def start(self, layers: int, saved: list, total: int, per_layer: dict[int, list]) -> None:
+        self.saved, self.last, self.unclaimed = (layers, saved), total - 1, per_layer
+
+    def claim(self, index: int) -> list | None:
+        """Layer `index`'s entries of the starting state, once per forward (None: taken, or the layer is new)."""
+        return self.unclaimed.pop(index, None)
 
     def read(self, index: int) -> None:
         if index == self.last:
-            self.saved = None
+            self.saved, self.unclaimed = None, {}
 
 
 class PositionLog:

@@ -3,10 +3,11 @@
 //
 // Work items are (batch, kv head, token range); token ranges start on keyframes, so each item runs the delta
 // codec's closed loop on its own. Per tile of tokens: reconstruct keys (keyframe + deltas or plain blocks), undo the
-// Hadamard rotation (fast Walsh-Hadamard transform), re-apply RoPE (angles from the positions, rope.h), score every
-// query row that shares the kv head (GQA), fold into an online softmax, and accumulate values still in their rotated
-// basis (the rotation is linear, so it is undone once on the accumulated rows). Items are merged with log-sum-exp at
-// the end.
+// Hadamard rotation (fast Walsh-Hadamard transform), re-apply RoPE (angles from the positions, rope.h, filled once
+// per token range and shared by the items of every kv head), score every query row that shares the kv head (GQA),
+// fold into an online softmax, and accumulate values still in their rotated basis (the rotation is linear, so it is
+// undone once on the accumulated rows). Items are merged with log-sum-exp at the end. Inner loops keep their sums in
+// registers (AVX2): a sum kept in memory is stored and reloaded on every add, which the compiler cannot avoid.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -20,6 +21,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -166,6 +168,23 @@ struct Blocks {
   template <int BS>
   const at::Half* q4(const uint8_t* c, const at::Half* s, const at::Half* m, float* out) const {
     constexpr int HALF = BS / 2;
+#if defined(__AVX2__)
+    if (BS == 32) {  // 16 bytes: low nibbles are elements 0-15, high nibbles 16-31
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const __m256 scale = _mm256_set1_ps(static_cast<float>(s[b]));
+        const __m256 offset = m ? _mm256_set1_ps(static_cast<float>(m[b])) : _mm256_set1_ps(-8.0f * static_cast<float>(s[b]));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * HALF));
+        const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        for (int k = 0; k < 4; ++k) {
+          const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
+          _mm256_storeu_ps(out + b * BS + 8 * k, _mm256_fmadd_ps(code, scale, offset));
+        }
+      }
+      return s;
+    }
+#endif
     for (int64_t b = 0; b < n_blocks; ++b) {
       const float scale = static_cast<float>(s[b]);
       const uint8_t* cb = c + b * HALF;
@@ -420,6 +439,22 @@ struct Stream {
     }
   }
 
+#if defined(__AVX2__)
+  // Eight tokens per plane byte; the WIDTH sums are kept in registers and advance together, plane by plane (one sum
+  // at a time, or a sum kept in `out`, waits on the previous plane's add every plane).
+  template <int WIDTH>
+  static void decode_channel_avx2(const uint8_t* planes, int bits, float step, float lo, float* out) {
+    __m256 acc[WIDTH];
+    for (int i = 0; i < WIDTH; ++i) acc[i] = _mm256_set1_ps(lo);
+    for (int b = 0; b < bits; ++b) {
+      const __m256 weight = _mm256_set1_ps(step * static_cast<float>(1 << b));
+      const uint8_t* plane = planes + b * WIDTH;
+      for (int i = 0; i < WIDTH; ++i) acc[i] = _mm256_fmadd_ps(_mm256_load_ps(BIT_TABLE.v[plane[i]]), weight, acc[i]);
+    }
+    for (int i = 0; i < WIDTH; ++i) _mm256_storeu_ps(out + i * 8, acc[i]);
+  }
+#endif
+
   // One channel of a group: out[j] = lo + step * code_j, code_j gathered from `bits` planes of `width` bytes.
   static void decode_channel(const uint8_t* planes, int bits, int64_t width, float step, float lo, float* out) {
 #if defined(__AVX512F__)
@@ -440,9 +475,16 @@ struct Stream {
         acc = _mm256_mask_add_ps(acc, planes[b * width + chunk], acc, _mm256_set1_ps(step * static_cast<float>(1 << b)));
       _mm256_storeu_ps(out + chunk * 8, acc);
     }
+#elif defined(__AVX2__)
+    switch (width) {
+      case 1: return decode_channel_avx2<1>(planes, bits, step, lo, out);
+      case 2: return decode_channel_avx2<2>(planes, bits, step, lo, out);
+      case 4: return decode_channel_avx2<4>(planes, bits, step, lo, out);
+      default: return decode_channel_avx2<8>(planes, bits, step, lo, out);
+    }
 #else
     for (int64_t i = 0; i < width; ++i) {
-      float* a = out + i * 8;
+      float a[8];
 #pragma omp simd
       for (int j = 0; j < 8; ++j) a[j] = lo;
       for (int b = 0; b < bits; ++b) {
@@ -451,6 +493,7 @@ struct Stream {
 #pragma omp simd
         for (int j = 0; j < 8; ++j) a[j] += bit[j] * weight;
       }
+      std::copy(a, a + 8, out + i * 8);
     }
 #endif
   }
@@ -575,7 +618,64 @@ void tile_scores(const float* kt, const float* q, int64_t rows, int cols, float*
   }
 }
 
+// acc[r][c] += sum_j p[r][j] * v[j][c] for rows r < rows and tokens j < n (p rows TILE apart): two rows and 32
+// channels at a time, their sums in registers over the tile (eight of AVX2's sixteen), each value vector loaded once
+// for both rows.
+template <int D>
+void tile_values(const float* p, const float* v, int64_t rows, int n, float* acc) {
+#if defined(__AVX2__)
+  for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+    const bool pair = r0 + 1 < rows;
+    const float* p0 = p + r0 * TILE;
+    const float* p1 = pair ? p0 + TILE : p0;  // a last odd row is computed twice and stored once
+    float* a0 = acc + r0 * D;
+    float* a1 = pair ? a0 + D : a0;
+    for (int c0 = 0; c0 < D; c0 += 32) {
+      __m256 s0[4], s1[4];
+      for (int k = 0; k < 4; ++k) s0[k] = _mm256_loadu_ps(a0 + c0 + 8 * k), s1[k] = _mm256_loadu_ps(a1 + c0 + 8 * k);
+      for (int j = 0; j < n; ++j) {
+        const float* vj = v + j * D + c0;
+        const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+        for (int k = 0; k < 4; ++k) {
+          const __m256 x = _mm256_load_ps(vj + 8 * k);
+          s0[k] = _mm256_fmadd_ps(w0, x, s0[k]);
+          s1[k] = _mm256_fmadd_ps(w1, x, s1[k]);
+        }
+      }
+      for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(a0 + c0 + 8 * k, s0[k]);
+        if (pair) _mm256_storeu_ps(a1 + c0 + 8 * k, s1[k]);
+      }
+    }
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r) {
+    float* ar = acc + r * D;
+    for (int j = 0; j < n; ++j) {
+      const float w = p[r * TILE + j];
+      const float* vj = v + j * D;
+#pragma omp simd
+      for (int c = 0; c < D; ++c) ar[c] += w * vj[c];
+    }
+  }
+#endif
+}
+
+// The RoPE cos/sin of one token range of one batch row, kept by a thread for the next work item of the same call.
+struct RopeRange {
+  int64_t call = -1, batch = -1, begin = -1, length = 0;
+  std::vector<float> cos, sin;
+
+  void fill(const hfd::RopeSteps& steps, int64_t call_, int64_t batch_, int64_t begin_, const int32_t* pos, int64_t n) {
+    if (call == call_ && batch == batch_ && begin == begin_ && length == n) return;
+    cos.resize(steps.half * n), sin.resize(steps.half * n);
+    hfd::RopeRun(steps).fill(pos, n, cos.data(), sin.data(), n);
+    call = call_, batch = batch_, begin = begin_, length = n;
+  }
+};
+
 struct Args {
+  int64_t call = 0;  // this kernel call's serial number (what a thread's RopeRange was filled for)
   const float* q;
   const int32_t* positions;  // of the stream's tokens [B, L] (rows `positions_stride` apart), or null: no RoPE
   const hfd::RopeSteps* rope_steps;  // of the freqs [D / 2] (radians per position of each canonical pair)
@@ -606,8 +706,16 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   alignas(64) float kt[D * TILE];      // channel-major: rotation, RoPE and scores vectorise over tokens
   alignas(64) float v_tile[TILE * D];
   alignas(64) float k_run[D], v_run[D], scratch[D];
-  alignas(64) float rope_cos[D / 2 * TILE], rope_sin[D / 2 * TILE];  // channel-major: pair c of token j at c * TILE + j
-  hfd::RopeRun rope(*a.rope_steps);
+  // cos/sin of the item's tokens, pair-major (pair c of token t at c * span + t - t_begin): the items of one token
+  // range run one after another on a thread for every kv head of a batch row (split-major order), and share them.
+  const int64_t span = t_end - t_begin;
+  const float* rope_cos = nullptr;
+  const float* rope_sin = nullptr;
+  if (a.positions && span > 0) {
+    thread_local RopeRange range;
+    range.fill(*a.rope_steps, a.call, b, t_begin, a.positions + b * a.positions_stride + t_begin, span);
+    rope_cos = range.cos.data(), rope_sin = range.sin.data();
+  }
   Cursor k_cur, v_cur;
   k_cur.start(t_begin, keys.kf);
   v_cur.start(t_begin, values.kf);
@@ -639,12 +747,11 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
     if (a.positions) {
       // RoPE re-applied to the canonical pairs c, c + D/2 (rope.h: angles from the positions, none stored).
       constexpr int HALF = D / 2;
-      rope.fill(a.positions + b * a.positions_stride + t0, n_tok, rope_cos, rope_sin, TILE);
       for (int c = 0; c < HALF; ++c) {
         float* lo = kt + c * TILE;
         float* hi = kt + (c + HALF) * TILE;
-        const float* cs = rope_cos + c * TILE;
-        const float* sn = rope_sin + c * TILE;
+        const float* cs = rope_cos + c * span + (t0 - t_begin);
+        const float* sn = rope_sin + c * span + (t0 - t_begin);
 #pragma omp simd
         for (int j = 0; j < n_tok; ++j) {
           const float x = lo[j], y = hi[j];
@@ -658,43 +765,32 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       const int64_t i = r % a.n_queries;
       float* sr = scores.data() + r * TILE;
       uint8_t* ok = allowed.data() + r * TILE;
-      float tile_max = NEG_INF;
-      for (int j = 0; j < n_tok; ++j) {
-        const int64_t t = t0 + j;
-        ok[j] = a.mask ? a.mask[(b * a.n_queries + i) * a.mask_length + a.sinks + t] != 0
-                       : a.sinks + t <= a.causal_offset + i;
-        if (ok[j]) tile_max = std::max(tile_max, sr[j]);
+      if (a.mask) {
+        const uint8_t* row_mask = a.mask + (b * a.n_queries + i) * a.mask_length + a.sinks + t0;
+        for (int j = 0; j < n_tok; ++j) ok[j] = row_mask[j] != 0;
+      } else {  // causal: a prefix of the tile
+        const int64_t visible = std::clamp<int64_t>(a.causal_offset + i - a.sinks - t0 + 1, 0, n_tok);
+        std::fill(ok, ok + visible, uint8_t{1});
+        std::fill(ok + visible, ok + n_tok, uint8_t{0});
       }
+      float tile_max = NEG_INF;
+#pragma omp simd reduction(max : tile_max)
+      for (int j = 0; j < n_tok; ++j) tile_max = std::max(tile_max, ok[j] ? sr[j] : NEG_INF);
       const float new_max = std::max(m[r], tile_max);
       if (new_max == NEG_INF) {
         for (int j = 0; j < n_tok; ++j) sr[j] = 0.f;
         continue;
       }
       const float alpha = m[r] == NEG_INF ? 0.f : exp_nonpositive(m[r] - new_max);
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int j = 0; j < n_tok; ++j) {
-        const float p = ok[j] ? exp_nonpositive(sr[j] - new_max) : 0.f;
-        sr[j] = p;
-        total += p;
-      }
-      l[r] = l[r] * alpha + total;
+      l[r] = l[r] * alpha + hfd::exp_kept_sum(sr, ok, n_tok, new_max);
       float* ar = acc + r * D;
       if (alpha != 1.f) {
 #pragma omp simd
         for (int c = 0; c < D; ++c) ar[c] *= alpha;
       }
       m[r] = new_max;
-      alignas(64) float running[D];  // the row's weighted values, kept in registers over the tile
-      std::copy(ar, ar + D, running);
-      for (int j = 0; j < n_tok; ++j) {
-        const float p = sr[j];
-        const float* v = v_tile + j * D;
-#pragma omp simd aligned(running : 64)
-        for (int c = 0; c < D; ++c) running[c] += p * v[c];
-      }
-      std::copy(running, running + D, ar);
     }
+    tile_values<D>(scores.data(), v_tile, rows, n_tok, acc);
   }
 }
 
@@ -714,7 +810,9 @@ at::Tensor stream_attention(
   const Stream keys(key_layout, dim), values(value_layout, dim);
   const int64_t length = keys.length;
   TORCH_CHECK(values.length == length, "keys and values hold different numbers of tokens");
+  static std::atomic<int64_t> calls{0};
   Args a;
+  a.call = calls++;
   a.q = query.data_ptr<float>();
   a.positions = nullptr;
   if (positions.numel()) {
