@@ -169,7 +169,7 @@ struct Blocks {
   const at::Half* q4(const uint8_t* c, const at::Half* s, const at::Half* m, float* out) const {
     constexpr int HALF = BS / 2;
 #if defined(__AVX2__)
-    if (BS == 32) {  // 16 bytes: low nibbles are elements 0-15, high nibbles 16-31
+    if constexpr (BS == 32) {  // 16 bytes: low nibbles are elements 0-15, high nibbles 16-31
       const __m128i nibble = _mm_set1_epi8(0x0F);
       for (int64_t b = 0; b < n_blocks; ++b) {
         const __m256 scale = _mm256_set1_ps(static_cast<float>(s[b]));
