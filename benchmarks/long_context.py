@@ -18,7 +18,7 @@ a long shared context).
 
     python benchmarks/long_context.py                     # all parts, three models to 32K (hours on 2 cores)
     python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (35 min + memory runs)
-    python benchmarks/long_context.py --quick             # SmolLM2 to 2K, 2 needles: the CI's version (~2.5 min)
+    python benchmarks/long_context.py --quick             # SmolLM2 to 1K, 2 needles: the CI's version (~1 min)
     python benchmarks/long_context.py --memory-only --memory-lengths 32768   # memory rows only, merged into the JSON
 
 Writes benchmarks/results/long_context.json.
@@ -262,7 +262,7 @@ def memory(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="SmolLM2 to 2K tokens, every part (the CI's version)")
+    parser.add_argument("--quick", action="store_true", help="SmolLM2 to 1K tokens, every part (the CI's version)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--caches", default=None, help="caches for every model (default: each model's, MODELS)")
     parser.add_argument("--chunk", type=int, default=1024)
@@ -286,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     memory_lengths = tuple(n for n in (int(n) for n in args.memory_lengths.split(",")) if n <= cap) or (cap,)
     memory_caches = tuple(args.memory_caches.split(","))
     global CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL
-    if args.quick:  # every part, small: ~2 min
-        models, memory_lengths = {"smollm2-135m": (2048, override or ("delta", "snapkv"))}, (2048,)
-        memory_caches = ("dynamic", "delta")
-        CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (2048,), 2048, 2
+    if args.quick:  # every part, small: ~1 min (two chunks, so eviction acts between them)
+        models, memory_lengths = {"smollm2-135m": (1024, override or ("delta", "snapkv"))}, (1024,)
+        memory_caches, args.chunk = ("dynamic", "delta"), 512
+        CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (1024,), 1024, 2
     CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
     MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
     started = time.time()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -137,11 +138,12 @@ def _add_train_parser(sub) -> None:
         "several joined with '+' (never the test split you report on)",
     )
     train.add_argument("--out", default="residual-compressor", help="run folder (resumes when it holds a run)")
-    for name in ("steps", "ctx", "warmup", "calibration_windows", "validation_windows", "save_every", "seed"):
-        train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    # (bounds are checked by TrainConfig, before the model is loaded)
-    for name in ("lr", "mse_weight", "rate", "key_weight"):
-        train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    # every numeric TrainConfig field is an option of the same name (bounds are checked by TrainConfig, before the
+    # model is loaded)
+    for field in dataclasses.fields(TrainConfig):
+        if field.type in ("int", "float"):
+            kind = int if field.type == "int" else float
+            train.add_argument("--" + field.name.replace("_", "-"), type=kind, default=getattr(defaults, field.name))
     train.add_argument(
         "--loss",
         choices=("kl", "ce"),
@@ -222,22 +224,8 @@ def run_train_residual(args: argparse.Namespace) -> int:
     from .residual.checkpoint import save_compressor
     from .residual.train import TrainConfig, train_residual
 
-    names = (
-        "steps",
-        "ctx",
-        "warmup",
-        "calibration_windows",
-        "validation_windows",
-        "save_every",
-        "seed",
-        "lr",
-        "mse_weight",
-        "rate",
-        "key_weight",
-        "loss",
-    )
     try:
-        config = TrainConfig(**{name: getattr(args, name) for name in names})
+        config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
         layout = ResidualLayout(args.stride, args.top_k, args.sink_tokens, args.window, args.reference_format)
     except ValueError as err:
         raise UsageError(str(err)) from None

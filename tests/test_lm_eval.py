@@ -15,12 +15,7 @@ METADATA = {"text": "python-docs", "doc_chars": 1200, "max_docs": 2}
 TASK = "hf_deltakv_python_docs"
 
 
-def _word_perplexity(lm) -> float:
-    from lm_eval.tasks import TaskManager
-
-    from hf_deltakv.lm_eval import TASKS_DIR
-
-    manager = TaskManager(include_path=str(TASKS_DIR), metadata=METADATA)
+def _word_perplexity(lm, manager) -> float:
     results = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=manager, metadata=METADATA)
     return results["results"][TASK]["word_perplexity,none"]
 
@@ -28,13 +23,16 @@ def _word_perplexity(lm) -> float:
 @pytest.fixture(scope="module")
 def scores(real_model):
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
-    from hf_deltakv.lm_eval import DeltaKVLM
+    from hf_deltakv.lm_eval import TASKS_DIR, DeltaKVLM
 
+    manager = TaskManager(include_path=str(TASKS_DIR), metadata=METADATA)  # indexing lm-eval's tasks takes ~13 s
     model, tokenizer = real_model
-    out = {"hf": _word_perplexity(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1))}
+    out = {"hf": _word_perplexity(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1), manager)}
     for cache in ("dynamic", "fp16", "q4_0", "delta"):
-        out[cache] = _word_perplexity(DeltaKVLM(pretrained=model, tokenizer=tokenizer, cache=cache, chunk_size=64))
+        lm = DeltaKVLM(pretrained=model, tokenizer=tokenizer, cache=cache, chunk_size=64)
+        out[cache] = _word_perplexity(lm, manager)
     return out
 
 

@@ -93,33 +93,48 @@ def test_residual_cache_generates_like_the_uncompressed_model(real_model):
     assert torch.equal(out[0, : ids.shape[1] + 3], ref[0, : ids.shape[1] + 3])
 
 
-@pytest.mark.parametrize("decoder", [torch.float32, torch.bfloat16])
-def test_residual_decode_attention_adds_little_to_the_caches_own_error(real_model, windows, decoder, monkeypatch):
-    """Decoding one token at a time (teacher-forced, 48 tokens after a 512-token prompt) through the served attention
-    moves the next-token distribution from the one over the decoded history by under a tenth of what the cache itself
-    moves it from the uncompressed model's (KL divergences), with the key decoder in fp32 and in bf16."""
+def _teacher_forced_logprobs(model, window: torch.Tensor, cache) -> torch.Tensor:
+    """Next-token log-probabilities decoding one token at a time (48 tokens after a 512-token prompt)."""
+    prompt, follow = window[None, :512], window[None, 512:560]
+    out = []
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        for t in range(follow.shape[1]):
+            out.append(model(follow[:, t : t + 1], cache=cache).logits[:, -1].float().log_softmax(-1))
+    return torch.cat(out)
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module")
+def residual_references(real_model, windows):
+    """The uncompressed model's and the residual cache's decoded-history log-probabilities (shared by both decoders)."""
     from hf_deltakv import ResidualKVCache
     from hf_deltakv.layers import StreamLayer
+
+    model, _ = real_model
+    uncompressed = _teacher_forced_logprobs(model, windows[0], DynamicCache())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StreamLayer, "sdpa", lambda self, *args: None)  # attention over the decoded history
+        decoded = _teacher_forced_logprobs(model, windows[0], ResidualKVCache(model=model))
+    return uncompressed, decoded
+
+
+@pytest.mark.parametrize("decoder", [torch.float32, torch.bfloat16])
+def test_residual_decode_attention_adds_little_to_the_caches_own_error(
+    real_model, windows, residual_references, decoder, monkeypatch
+):
+    """Decoding one token at a time through the served attention moves the next-token distribution from the one over
+    the decoded history by under a tenth of what the cache itself moves it from the uncompressed model's (KL
+    divergences), with the key decoder in fp32 and in bf16."""
+    from hf_deltakv import ResidualKVCache
     from hf_deltakv.residual import attention
 
     model, _ = real_model
-    prompt, follow = windows[0][None, :512], windows[0][None, 512:560]
-
-    def logprobs(cache) -> torch.Tensor:
-        out = []
-        with torch.no_grad():
-            model(prompt, cache=cache)
-            for t in range(follow.shape[1]):
-                out.append(model(follow[:, t : t + 1], cache=cache).logits[:, -1].float().log_softmax(-1))
-        return torch.cat(out)
-
-    def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-        return float((p.exp() * (p - q)).sum(-1).mean())
-
-    uncompressed = logprobs(DynamicCache())
+    uncompressed, decoded = residual_references
     monkeypatch.setattr(attention, "key_decoder_dtype", lambda device: decoder)
-    served = logprobs(ResidualKVCache(model=model))
-    monkeypatch.setattr(StreamLayer, "sdpa", lambda self, *args: None)  # attention over the decoded history
-    decoded = logprobs(ResidualKVCache(model=model))
-    assert kl(uncompressed, decoded) > 1e-3  # the cache is lossy: the comparison can fail
-    assert kl(decoded, served) < kl(uncompressed, decoded) / 10
+    served = _teacher_forced_logprobs(model, windows[0], ResidualKVCache(model=model))
+    assert _kl(uncompressed, decoded) > 1e-3  # the cache is lossy: the comparison can fail
+    assert _kl(decoded, served) < _kl(uncompressed, decoded) / 10

@@ -114,7 +114,11 @@ def test_a_run_resumes_only_with_its_model_and_layout(tmp_path):
     train_residual(model, ids, tmp_path, more, layout, progress=False)  # the same: resumes
 
 
-@pytest.mark.parametrize("bad", [{"save_every": 0}, {"rate": 0}, {"steps": 0}, {"ctx": 1}, {"loss": "mse"}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"save_every": 0}, {"rate": 0}, {"steps": 0}, {"ctx": 1}, {"loss": "mse"}, {"sensitivity_windows": -1},
+     {"calibration_windows": 1, "sensitivity_windows": 2}],
+)  # fmt: skip
 def test_training_settings_are_checked_before_any_work(bad):
     with pytest.raises(ValueError):
         TrainConfig(**bad)

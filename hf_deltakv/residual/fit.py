@@ -22,6 +22,8 @@ from .references import split_tokens
 from .tokens import heads_to_tokens
 
 LADDER = (0, *BIT_DEPTHS)
+# Windows the per-layer sensitivity is measured on: each costs one forward per layer, the bulk of a fit's time.
+SENSITIVITY_WINDOWS = 2
 
 
 def layer_residuals(
@@ -106,7 +108,7 @@ def fit_compressor(
     rate: float,
     layout: ResidualLayout,
     key_weight: float = 1.0,
-    sensitivity_windows: int = 2,
+    sensitivity_windows: int = SENSITIVITY_WINDOWS,
     training: dict | None = None,
 ) -> ResidualCompressor:
     """A compressor for `model` initialised on calibration `windows` (token ids `[1, T]` each).

@@ -33,7 +33,7 @@ from ..cache import rope_forms
 from ..rope import RopeForm
 from .checkpoint import load_compressor, save_compressor
 from .compressor import ResidualCompressor, ResidualLayout
-from .fit import fit_compressor
+from .fit import SENSITIVITY_WINDOWS, fit_compressor
 from .window import code_window
 
 STATE_NAME = "training_state.json"
@@ -82,6 +82,7 @@ class TrainConfig:
     rate: float = 4.3
     key_weight: float = 1.0
     calibration_windows: int = 8
+    sensitivity_windows: int = SENSITIVITY_WINDOWS  # of the calibration windows; 0: bits spread evenly
     validation_windows: int = 4
     save_every: int = 25
     seed: int = 0
@@ -97,12 +98,14 @@ class TrainConfig:
             "rate": 0 < self.rate <= 8,
             "key_weight": self.key_weight > 0,
             "calibration_windows": self.calibration_windows >= 1,
+            "sensitivity_windows": 0 <= self.sensitivity_windows <= self.calibration_windows,
             "validation_windows": self.validation_windows >= 0,
             "save_every": self.save_every >= 1,
         }
         wrong = [name for name, ok in checks.items() if not ok]
         if wrong:
-            bounds = "steps, calibration_windows, save_every >= 1; ctx >= 2; lr, key_weight > 0; 0 < rate <= 8"
+            bounds = "steps, calibration_windows, save_every >= 1; ctx >= 2; lr, key_weight > 0; 0 < rate <= 8; "
+            bounds += "0 <= sensitivity_windows <= calibration_windows"
             raise ValueError(f"bad training settings {wrong} ({bounds}; warmup, mse_weight, validation_windows >= 0)")
         if self.loss not in ("kl", "ce"):
             raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
@@ -214,7 +217,9 @@ def train_residual(
         calibration = [
             train_ids[i * stride : i * stride + config.ctx].unsqueeze(0) for i in range(config.calibration_windows)
         ]
-        compressor = fit_compressor(model, calibration, config.rate, layout, config.key_weight)
+        compressor = fit_compressor(
+            model, calibration, config.rate, layout, config.key_weight, sensitivity_windows=config.sensitivity_windows
+        )
     compressor.train().requires_grad_(True)
     optimizer = torch.optim.AdamW(compressor.parameters(), lr=config.lr, weight_decay=0.0)
     if start_step:
