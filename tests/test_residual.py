@@ -222,7 +222,8 @@ def test_training_code_is_disjoint_from_the_code_we_measure_on():
 
 @pytest.fixture(params=["vector", "scalar"])
 def latent_decoder(request):
-    """The C++ latent decoder under test: the AVX-512 VBMI one (where the build has it) or the scalar one."""
+    """The C++ latent decoder under test: the vector one (AVX-512 VBMI or AVX2, where the build has one) or the scalar
+    one."""
     compiled = kernels._cpu_extension(torch.device("cpu"))
     if compiled is None:
         pytest.skip("no CPU kernels here")

@@ -29,13 +29,57 @@
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && HFD_LATENT_GROUP == 32
 #include <immintrin.h>
 #define HFD_VECTOR_DECODE 1
+#elif defined(__AVX2__) && HFD_LATENT_GROUP == 32
+#include <immintrin.h>
+#include <cstring>
+#define HFD_VECTOR_DECODE 1
+#define HFD_VECTOR_DECODE_AVX2 1
 #endif
 
 namespace {
 
 std::atomic<bool> vector_decode{true};  // off: the scalar decoder on every machine (tests compare the two)
 
-#ifdef HFD_VECTOR_DECODE
+#ifdef HFD_VECTOR_DECODE_AVX2
+// The scalar decoder's values, 8 codes at a time (AVX2): codes 8i..8i+7 are the B bytes from i * B, read as one
+// little-endian word, shifted per 64-bit lane and masked; the same integer minus offset times the same scale, so the
+// same floats.
+template <int B, typename T>
+void decode_group_vector(const uint8_t* row, float d, T* dst) {
+  const __m256i low_shifts = _mm256_setr_epi64x(0, B, 2 * B, 3 * B);
+  const __m256i high_shifts = _mm256_setr_epi64x(4 * B, 5 * B, 6 * B, 7 * B);
+  const __m256i mask = _mm256_set1_epi64x((1 << B) - 1);
+  const __m256i in_order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i offset = _mm256_set1_epi32((1 << (B - 1)) - 1);
+  const __m256 scale = _mm256_set1_ps(d);
+  for (int i = 0; i < 4; ++i) {
+    // One 8-byte load within the group's 4 * B bytes (never past the row), shifted down to byte i * B: a copy of
+    // exactly B bytes is several narrow stores that the wide load after them waits for.
+    uint64_t word;
+    if constexpr (4 * B >= 8) {
+      const int at = std::min(i * B, 4 * B - 8);
+      std::memcpy(&word, row + at, 8);
+      word >>= 8 * (i * B - at);
+    } else {
+      uint32_t bytes;
+      std::memcpy(&bytes, row, 4);
+      word = bytes >> (8 * i * B);
+    }
+    const __m256i all = _mm256_set1_epi64x(static_cast<int64_t>(word));
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(all, low_shifts), mask);    // codes 0-3, one per lane
+    const __m256i high = _mm256_and_si256(_mm256_srlv_epi64(all, high_shifts), mask);  // codes 4-7
+    const __m256i codes = _mm256_permutevar8x32_epi32(_mm256_or_si256(low, _mm256_slli_epi64(high, 32)), in_order);
+    const __m256 values = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(codes, offset)), scale);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_storeu_ps(dst + 8 * i, values);
+    } else {
+      alignas(32) float kept[8];
+      _mm256_store_ps(kept, values);
+      for (int j = 0; j < 8; ++j) dst[8 * i + j] = static_cast<T>(kept[j]);
+    }
+  }
+}
+#elif defined(HFD_VECTOR_DECODE)
 // Where code j of a group at depth B lies: its two bytes go to 16-bit lane j, which is shifted right by the bit offset.
 template <int B>
 struct GroupLanes {
@@ -139,7 +183,6 @@ LatentSizes latent_sizes(const std::vector<int64_t>& bits) {
   return sizes;
 }
 
-using hfd::exp_nonpositive;
 using hfd::NEG_INF;
 
 constexpr int VALUE_BLOCK = 8;  // tokens whose value latents are added to the accumulators together
@@ -186,7 +229,7 @@ void channel_major_keys(const K* k, const float* mean, const float* cos, const f
 
 }  // namespace
 
-// Whether the AVX-512 VBMI decoder serves (when the build has it): `enabled` sets it; returns the previous setting,
+// Whether the vector decoder (AVX-512 VBMI or AVX2) serves (when the build has one): `enabled` sets it; returns the previous setting,
 // or false when the build has only the scalar decoder. For tests, which hold the two to the same values.
 bool vector_latent_decode(bool enabled) {
 #ifdef HFD_VECTOR_DECODE
@@ -405,14 +448,7 @@ std::vector<at::Tensor> latent_attention(at::Tensor rows, at::Tensor keys, at::T
 #pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < n; ++j) top = s[j] > top ? s[j] : top;  // NaN passed over, as std::max(top, s) does
         m[hr] = top;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < n; ++j) {
-          const float p = s[j] == NEG_INF ? 0.f : exp_nonpositive(s[j] - top);
-          s[j] = p;
-          total += p;
-        }
-        w[hr] = total;
+        w[hr] = hfd::exp_unmasked_sum(s, static_cast<int>(n), top);
       }
       float* acc = pacc + task * HR * L;
       for (int64_t tb = t0; tb < t1; tb += VALUE_BLOCK) {  // latents decoded once per token, a block at a time

@@ -53,32 +53,63 @@ inline __m256 exp_nonpositive8(__m256 x) {
 }
 #endif
 
-// x[j] = exp(x[j] - top) where keep[j] (else 0) for j < n, top >= every kept x[j]; returns the sum of the x[j]. A
-// scalar loop with a condition does not vectorise: eight lanes at a time, masked.
-inline float exp_kept_sum(float* x, const uint8_t* keep, int n, float top) {
+// x[j] = exp(x[j] - top) where kept (else 0) for j < n, top >= every kept x[j]; returns the sum of the x[j].
+// `lanes(j)` gives the keep mask of x[j..j+8) as all-ones / zero float lanes, `one(j)` whether x[j] is kept. A scalar
+// loop with a condition does not vectorise: eight lanes at a time, masked.
+template <typename Lanes, typename One>
+inline float exp_masked_sum(float* x, int n, float top, Lanes lanes, One one) {
   float total = 0.f;
   int j = 0;
 #if defined(__AVX2__)
   __m256 sum = _mm256_setzero_ps();
   const __m256 shift = _mm256_set1_ps(top);
   for (; j + 8 <= n; j += 8) {
-    long long flags;
-    std::memcpy(&flags, keep + j, sizeof flags);
-    const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(flags));
-    const __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lanes, _mm256_setzero_si256()));
-    const __m256 p = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift)), kept);
+    const __m256 p = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift)), lanes(j));
     _mm256_storeu_ps(x + j, p);
     sum = _mm256_add_ps(sum, p);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  for (const float v : lanes) total += v;
+  alignas(32) float partial[8];
+  _mm256_store_ps(partial, sum);
+  for (const float v : partial) total += v;
+#else
+  (void)lanes;
 #endif
   for (; j < n; ++j) {
-    x[j] = keep[j] ? exp_nonpositive(x[j] - top) : 0.f;
+    x[j] = one(j) ? exp_nonpositive(x[j] - top) : 0.f;
     total += x[j];
   }
   return total;
+}
+
+// exp_masked_sum keeping x[j] where keep[j] != 0.
+inline float exp_kept_sum(float* x, const uint8_t* keep, int n, float top) {
+  return exp_masked_sum(
+      x, n, top,
+      [keep](int j) {
+#if defined(__AVX2__)
+        long long flags;
+        std::memcpy(&flags, keep + j, sizeof flags);
+        const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(flags));
+        return _mm256_castsi256_ps(_mm256_cmpgt_epi32(lanes, _mm256_setzero_si256()));
+#else
+        return j;
+#endif
+      },
+      [keep](int j) { return keep[j] != 0; });
+}
+
+// exp_masked_sum keeping the x[j] that are not -inf (masked scores).
+inline float exp_unmasked_sum(float* x, int n, float top) {
+  return exp_masked_sum(
+      x, n, top,
+      [x](int j) {
+#if defined(__AVX2__)
+        return _mm256_cmp_ps(_mm256_loadu_ps(x + j), _mm256_set1_ps(NEG_INF), _CMP_NEQ_UQ);
+#else
+        return j;
+#endif
+      },
+      [x](int j) { return x[j] != NEG_INF; });
 }
 
 }  // namespace hfd
