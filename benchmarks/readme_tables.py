@@ -73,12 +73,20 @@ CURRENT = (
     "ablation_kld.json",
     "weight_skip.json",
     "decode_speed.json",
+    "decode_speed_residual.json",
+    "decode_speed_8k.json",
     "decode_tp.json",
     "sliding_memory.json",
     "bit_tradeoff.json",
     "encode_cost.json",
     "long_context.json",
 )
+# decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
+DECODE_RUNS = {
+    "decode_speed.json": "",
+    "decode_speed_residual.json": ", the residual cache after its kernel's AVX2 decoder",
+    "decode_speed_8k.json": ", 8K prompts in bf16",
+}
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
 
 
@@ -364,12 +372,11 @@ def legacy() -> None:
         print(markdown_table(result))
     from decode_speed import markdown as decode_table
 
-    decode = _load("decode_speed.json")
-    if decode and "ctx" in decode["rows"][0]:
-        print(
-            f"\n## Decoding on the CPU ({decode['config']['new']} new tokens after the prompt; `decode_speed.json`)\n"
-        )
-        print(decode_table(decode["rows"]))
+    for name, what in DECODE_RUNS.items():
+        decode = _load(name)
+        if decode and "ctx" in decode["rows"][0]:
+            print(f"\n## Decoding on the CPU{what} ({decode['config']['new']} new tokens after the prompt; `{name}`)\n")
+            print(decode_table(decode["rows"]))
     tp = _load("decode_tp.json")
     if tp:
         print(

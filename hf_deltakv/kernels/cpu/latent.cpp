@@ -229,8 +229,9 @@ void channel_major_keys(const K* k, const float* mean, const float* cos, const f
 
 }  // namespace
 
-// Whether the vector decoder (AVX-512 VBMI or AVX2) serves (when the build has one): `enabled` sets it; returns the previous setting,
-// or false when the build has only the scalar decoder. For tests, which hold the two to the same values.
+// Whether the vector decoder (AVX-512 VBMI or AVX2) serves (when the build has one): `enabled` sets it; returns the
+// previous setting, or false when the build has only the scalar decoder. For tests, which hold the two to the same
+// values.
 bool vector_latent_decode(bool enabled) {
 #ifdef HFD_VECTOR_DECODE
   return vector_decode.exchange(enabled);
