@@ -141,9 +141,9 @@ def _add_train_parser(sub) -> None:
     # every numeric TrainConfig field is an option of the same name (bounds are checked by TrainConfig, before the
     # model is loaded)
     for field in dataclasses.fields(TrainConfig):
-        if field.type in ("int", "float"):
-            kind = int if field.type == "int" else float
-            train.add_argument("--" + field.name.replace("_", "-"), type=kind, default=getattr(defaults, field.name))
+        kind = type(field.default)
+        if kind in (int, float):
+            train.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default)
     train.add_argument(
         "--loss",
         choices=("kl", "ce"),

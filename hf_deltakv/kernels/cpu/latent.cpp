@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -31,7 +32,6 @@
 #define HFD_VECTOR_DECODE 1
 #elif defined(__AVX2__) && HFD_LATENT_GROUP == 32
 #include <immintrin.h>
-#include <cstring>
 #define HFD_VECTOR_DECODE 1
 #define HFD_VECTOR_DECODE_AVX2 1
 #endif

@@ -37,7 +37,7 @@ inline float exp_nonpositive(float x) {
 #if defined(__AVX2__)
 // exp_nonpositive on eight lanes, the same arithmetic (the compiler fuses the scalar version's multiply-adds too).
 inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // a NaN x stays NaN, as std::max(x, -87) keeps it
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 whole = _mm256_floor_ps(t);
   const __m256 f = _mm256_sub_ps(t, whole);
