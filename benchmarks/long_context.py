@@ -19,6 +19,7 @@ a long shared context).
     python benchmarks/long_context.py                     # all parts, three models to 32K (hours on 2 cores)
     python benchmarks/long_context.py --max-tokens 8192   # every model to 8K (35 min + memory runs)
     python benchmarks/long_context.py --quick             # SmolLM2 to 1K, 2 needles: the CI's version (~1 min)
+    python benchmarks/long_context.py --models gemma3-270m --no-memory      # one model; the other rows stay
     python benchmarks/long_context.py --memory-only --memory-lengths 32768   # memory rows only, merged into the JSON
 
 Writes benchmarks/results/long_context.json.
@@ -50,9 +51,10 @@ from hf_deltakv.registry import build_cache
 
 SPECS = {"delta-3.5": "delta:kf=64,key_bits=2.75,values=q3_0"}  # names of this table for longer specs
 # Model -> (tokens, caches). A 32K pass of Qwen2.5-Coder-0.5B costs ~12 min per cache on 2 cores, so the two 32K
-# models read fewer caches than SmolLM2 (8K), which reads ours, KIVI's layout and both eviction baselines.
+# models read fewer caches than SmolLM2 (8K), which reads KIVI's layout too; the retrieval model reads the 3.5-bit
+# setting and both eviction baselines beside ours.
 MODELS = {
-    "qwen2.5-coder-0.5b": (32768, ("delta", "snapkv")),
+    "qwen2.5-coder-0.5b": (32768, ("delta", "delta-3.5", "streaming-llm", "snapkv")),
     "smollm2-135m": (8192, ("delta", "delta-3.5", "kivi-pre-rope", "streaming-llm", "snapkv")),
     "gemma3-270m": (32768, ("delta",)),
 }  # fmt: skip
@@ -167,7 +169,9 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
     reachable = {n: reachable_bytes(c) for n, c in live.items() if hasattr(c, "nbytes")}  # what nbytes() must match
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
-    return {"model": name, "tokens": int(ids.numel()), "kl": kl_rows, "retrieval": retrieval_rows,
+    return {"model": name, "tokens": int(ids.numel()), "chunk": chunk, "stride": stride,
+            "cells": [c for c in CELLS if c <= ids.numel()] if retrieval else [], "kl": kl_rows,
+            "retrieval": retrieval_rows,
             "multi_turn": turns, "bytes_held": nbytes, "reachable_bytes": reachable,
             "fp16_bytes": fp16_bytes(live["dynamic"]),
             "seconds": round(time.time() - started, 1)}  # fmt: skip
@@ -260,6 +264,19 @@ def memory(
             save(False)
 
 
+def kept(earlier: dict | None, config: dict, models: dict, asked: set) -> tuple[dict, list[dict], list[dict]]:
+    """What a run starts from: `config` with the earlier runs and caches read, the earlier rows of the models it
+    does not read, and the earlier memory rows of the (model, cache, length) cells it does not measure."""
+    config = {**config, "caches": {}, "runs": []}
+    results, memory_rows = [], []
+    if earlier:
+        config.update(caches=dict(earlier["config"]["caches"]), runs=list(earlier["config"]["runs"]))
+        results = [row for row in earlier["models"] if row["model"] not in models]
+        memory_rows = [row for row in earlier["memory"] if (row["model"], row["cache"], row["tokens"]) not in asked]
+    config["caches"].update({name: list(caches) for name, (_, caches) in models.items()})
+    return config, results, memory_rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="SmolLM2 to 1K tokens, every part (the CI's version)")
@@ -292,32 +309,34 @@ def main(argv: list[str] | None = None) -> int:
         CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (1024,), 1024, 2
     CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
     MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
+    if args.memory_only:
+        models = {}
+    retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
+    memory_model = retrieval_model if retrieval_model in models or args.memory_only else next(iter(models))
+    asked = set() if args.no_memory else {(memory_model, c, n) for c in memory_caches for n in memory_lengths}
+    # What this run does not measure stays as --out has it (other models, other memory cells): a long run can be
+    # done a model at a time. --quick starts afresh.
+    earlier = json.loads(Path(args.out).read_text()) if Path(args.out).exists() and not args.quick else None
     started = time.time()
-    read = {name: list(caches) for name, (_, caches) in models.items()}
-    config = {"caches": read, "specs": SPECS, "chunk": args.chunk, "stride": args.stride, "quick": args.quick,
-              "cells": list(CELLS), "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
-              "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    results, memory_rows = [], []
-    if args.memory_only:  # the rows of other caches and lengths, and the rest of the earlier run, stay
-        earlier = json.loads(Path(args.out).read_text())
-        config, results = {**earlier["config"], "memory_only": {"lengths": list(memory_lengths)}}, earlier["models"]
-        asked = {(c, n) for c in memory_caches for n in memory_lengths}
-        memory_rows = [row for row in earlier["memory"] if (row["cache"], row["tokens"]) not in asked]
+    run = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:] if argv is None else argv,
+           "models": list(models), "memory": sorted(f"{m} {c} @ {n}" for m, c, n in asked)}  # fmt: skip
+    config = {"specs": SPECS, "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
+              "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads()}  # fmt: skip
+    config, results, memory_rows = kept(earlier, config, models, asked)
+    config["runs"].append(run)
 
     def save(done: bool) -> None:  # after every model and memory run: a long run stopped midway keeps what it measured
-        run = {"seconds": round(time.time() - started, 1), "complete": done}
-        full = {**config, "memory_only": {**config["memory_only"], **run}} if args.memory_only else {**config, **run}
-        write_json({"config": full, "models": results, "memory": memory_rows}, args.out)
+        run.update(seconds=round(time.time() - started, 1), complete=done)
+        results.sort(key=lambda row: list(MODELS).index(row["model"]))
+        write_json({"config": config, "models": results, "memory": memory_rows}, args.out)
 
-    for name, (length, caches) in models.items() if not args.memory_only else ():
-        retrieval = name == RETRIEVAL_MODEL or args.quick
+    for name, (length, caches) in models.items():
+        retrieval = name == retrieval_model
         results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval=retrieval))
         save(done=False)
-    retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
-    if not args.no_memory:
-        memory(retrieval_model if retrieval_model in models else next(iter(models)), memory_caches,
-               memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS, memory_rows, save)  # fmt: skip
+    if asked:
+        memory(memory_model, memory_caches, memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS,
+               memory_rows, save)  # fmt: skip
     save(done=True)
     print(f"wrote {args.out} in {time.time() - started:.0f} s", file=sys.stderr)
     return 0

@@ -83,6 +83,21 @@ def test_nbytes_counts_every_storage_the_cache_holds(name, arch, steps):
     assert cache.nbytes() == pytest.approx(held, rel=0.02), (cache.nbytes(), held)
 
 
+@pytest.mark.parametrize("name", CACHES)
+def test_nbytes_counts_every_storage_at_32k_tokens(name):
+    """At 32K tokens (position logs and grown buffers at the size long prompts reach): a prefill in 8K chunks, then
+    decoding steps, fed as a model's forwards feed every layer."""
+    model = tiny_model("llama")
+    cache, config = CACHES[name](model), model.config
+    g = torch.Generator().manual_seed(0)
+    for part in (8192,) * 4 + (1,) * 3:
+        keys, values = (torch.randn(1, config.num_key_value_heads, part, config.head_dim, generator=g) for _ in "kv")
+        for layer in range(config.num_hidden_layers):
+            cache.update(keys, values, layer)
+    assert cache.get_seq_length() == 4 * 8192 + 3
+    assert cache.nbytes() == pytest.approx(held_bytes(cache), rel=0.02), (cache.nbytes(), held_bytes(cache))
+
+
 def test_a_view_that_keeps_dropped_tokens_alive_is_counted():
     """The counter reads storages, not shapes: a slice of a larger buffer counts the buffer."""
     buffer = torch.zeros(4, 100)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -41,3 +42,23 @@ def test_every_part_of_the_long_context_benchmark_runs_on_smollm2(tmp_path):
     assert run["bytes_held"]["delta"] < 0.35 * run["fp16_bytes"]
     for name in ("delta", "snapkv"):  # nbytes() is every storage the cache holds, on a real model too
         assert run["bytes_held"][name] == pytest.approx(run["reachable_bytes"][name], rel=0.02)
+
+
+def test_a_run_of_some_models_keeps_the_other_rows(monkeypatch):
+    """`--models X` (or `--memory-only`) replaces X's rows and the memory cells it measures; the rest of --out stays."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    long_context = importlib.import_module("long_context")
+    earlier = {
+        "config": {"caches": {"a": ["delta"], "b": ["delta"]}, "runs": [{"date": "then"}]},
+        "models": [{"model": "a", "kl": 1}, {"model": "b", "kl": 2}],
+        "memory": [{"model": "b", "cache": c, "tokens": n} for c in ("dynamic", "delta") for n in (8192, 32768)],
+    }
+    config, results, memory = long_context.kept(
+        earlier, {"text": "t"}, {"b": (32768, ("delta", "snapkv"))}, {("b", "delta", 32768)}
+    )
+    assert config == {"text": "t", "caches": {"a": ["delta"], "b": ["delta", "snapkv"]}, "runs": [{"date": "then"}]}
+    assert results == [{"model": "a", "kl": 1}]
+    assert {(r["cache"], r["tokens"]) for r in memory} == {("dynamic", 8192), ("delta", 8192), ("dynamic", 32768)}
+    assert earlier["config"]["runs"] == [{"date": "then"}]  # the earlier file's dict is not changed in place
+    fresh, results, memory = long_context.kept(None, {"text": "t"}, {"a": (1024, ("delta",))}, set())
+    assert fresh == {"text": "t", "caches": {"a": ["delta"]}, "runs": []} and results == memory == []

@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_deltakv import DeltaKVCache, KIVIKVCache, QuantizedKVCache, ResidualKVCache
+from hf_deltakv import (
+    DeltaKVCache,
+    KIVIKVCache,
+    QuantizedKVCache,
+    ResidualKVCache,
+    SnapKVCache,
+    StreamingLLMCache,
+)
 
 from .conftest import tiny_compressor, tiny_model
 
@@ -68,3 +75,33 @@ def test_finite_in_finite_out(name, keys, values):
         assert (out.double() - given_.double()).abs().max() <= 2 * span, name  # never beyond the given range
         if given_.abs().max() <= 1e4 and given_.abs().max() >= 1e-4:  # within fp16's range: a real quantizer's error
             assert (out - given_).abs().max() <= 0.5 * span, name
+
+
+EVICTING = {
+    "streaming-llm": lambda m: StreamingLLMCache(keep=0.5, model=m),
+    "snapkv": lambda m: SnapKVCache(keep=0.5, window=4, model=m),
+}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", [*CACHES, *EVICTING])
+def test_non_finite_query_gives_nan_rows(name, bad):
+    """A query row holding NaN or ±inf attends to NaN, as softmax attention over the uncompressed keys gives (a model
+    that overflowed is seen, not served zeros); the other rows are untouched and finite."""
+    m = model()
+    cache = {**CACHES, **EVICTING}[name](m)
+    g = torch.Generator().manual_seed(0)
+    heads, dim = m.config.num_key_value_heads, m.config.head_dim
+    for part in (40, 1, 1):  # a prefill, then decoding steps: sinks, stored stream and window all hold tokens
+        keys, values = (torch.randn(1, heads, part, dim, generator=g) for _ in range(2))
+        for layer in range(m.config.num_hidden_layers):
+            cache.update(keys, values, layer)
+    q_heads = m.config.num_attention_heads
+    for n in (1, 3):  # one decoding query (causal), a few at once
+        query = torch.randn(1, q_heads, n, dim, generator=g)
+        query[0, 1, n - 1, 3] = bad
+        out = cache.layers[0].attend(query, None, dim**-0.5)
+        broken = torch.zeros(q_heads, n, dtype=torch.bool)
+        broken[1, n - 1] = True
+        assert torch.isnan(out[0][broken]).all(), (name, n)
+        assert torch.isfinite(out[0][~broken]).all(), (name, n)

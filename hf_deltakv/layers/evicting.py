@@ -85,7 +85,7 @@ class EvictingLayer(StreamLayer):
             end = min(start + QUERY_CHUNK, n)
             allowed = self._allowed(mask, index, start, end, n, group)  # [B, Hkv, g | 1, c, m]
             scores = torch.einsum("bhgcd,bhmd->bhgcm", q[:, :, :, start:end], keys) * scale
-            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).masked_fill(~allowed, 0.0)
             outputs.append(torch.einsum("bhgcm,bhmd->bhgcd", weights, values))
             first = max(start, n - self.recent)
             if self.policy == "snapkv" and end > first:  # the last `window` queries' attention, per kv head

@@ -877,8 +877,13 @@ at::Tensor stream_attention(
         top = std::max(top, sink_scores[u]);
       }
       for (int64_t s = 0; s < a.splits; ++s) top = std::max(top, a.part_max[(s * a.heads_total + bh) * rows + r]);
-      if (top == NEG_INF) continue;
       float* o = po + (bh * rows + r) * dim;
+      // A query row holding NaN or inf scores NaN, which the maxima skip: its output is NaN, as the reference's.
+      if (!std::all_of(qr, qr + dim, [](float x) { return std::isfinite(x); })) {
+        std::fill(o, o + dim, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      if (top == NEG_INF) continue;
       float total = 0.f;
       for (int64_t s = 0; s < a.splits; ++s) {
         const int64_t item = s * a.heads_total + bh;
