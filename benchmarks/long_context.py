@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     run = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:] if argv is None else argv,
            "models": list(models), "memory": sorted(f"{m} {c} @ {n}" for m, c, n in asked)}  # fmt: skip
     config = {"specs": SPECS, "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
-              "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads()}  # fmt: skip
+              "torch": torch.__version__, "python": platform.python_version(),
+              "threads": torch.get_num_threads()}  # fmt: skip
     config, results, memory_rows = kept(earlier, config, models, asked)
     config["runs"].append(run)
 
