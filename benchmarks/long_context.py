@@ -69,12 +69,26 @@ NOUNS = ("river", "lantern", "orchard", "comet", "harbor", "violin", "glacier", 
 ADJECTIVES = ("silent", "amber", "hollow", "rapid", "velvet", "brisk", "lunar", "crimson", "gentle", "rustic")
 
 
-def needles(length: int, seed: int) -> list[dict]:
-    """Key-value needles at depths 5 %, 15 %, ..., 95 % of `length`: unique keys, 7-digit values."""
+def needles(length: int, seed: int, taken: frozenset[str] = frozenset()) -> list[dict]:
+    """Key-value needles at depths 5 %, 15 %, ..., 95 % of `length`: unique keys, 7-digit values. A key some shorter
+    length's needle already uses (`taken`) is drawn again, so no question has two answers in one document."""
     rng = random.Random(seed)
     keys = rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], NEEDLES_PER_CELL)
-    return [{"key": k, "value": str(rng.randrange(10**6, 10**7)), "depth": (i + 0.5) / NEEDLES_PER_CELL,
+    rows = [{"key": k, "value": str(rng.randrange(10**6, 10**7)), "depth": (i + 0.5) / NEEDLES_PER_CELL,
              "cell": length} for i, k in enumerate(keys)]  # fmt: skip
+    free = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS if f"{a}-{n}" not in taken | set(keys)]
+    for row in rows:  # redrawn after the values, so every needle whose key was free is as it always was
+        if row["key"] in taken:
+            row["key"] = free.pop(rng.randrange(len(free)))
+    return rows
+
+
+def document_needles(max_len: int) -> list[dict]:
+    """Every needle of the cells a document of `max_len` tokens reaches, keys unique across them."""
+    rows: list[dict] = []
+    for cell in (c for c in CELLS if c <= max_len):
+        rows += needles(cell, cell, frozenset(n["key"] for n in rows))
+    return rows
 
 
 def build_document(tokenizer, max_len: int, with_needles: bool) -> tuple[torch.Tensor, list[dict], list[int]]:
@@ -87,19 +101,19 @@ def build_document(tokenizer, max_len: int, with_needles: bool) -> tuple[torch.T
                                                add_generation_prompt=False).split("PLACEHOLDER")[0]  # fmt: skip
         prefix = tokenizer(prefix + "Read the text below; questions about it follow.\n\n").input_ids
     body = tokenizer(text[: max_len * 8]).input_ids
-    placed = []
-    if with_needles:
-        todo = sorted((n for cell in CELLS if cell <= max_len for n in needles(cell, cell)),
-                      key=lambda n: n["depth"] * n["cell"], reverse=True)  # fmt: skip
-        for needle in todo:  # inserted from the back, so earlier positions stay where they are
-            at = max(int(needle["depth"] * needle["cell"]) - len(prefix), 0)
+    placed, after = [], 0  # `after`: where the last needle placed ends in `body`
+    if with_needles:  # in order of position, each at its depth of the document as it ends up (earlier needles in)
+        for needle in sorted(document_needles(max_len), key=lambda n: n["depth"] * n["cell"]):
+            at = max(int(needle["depth"] * needle["cell"]) - len(prefix), after)
             sentence = tokenizer(
                 f" One of the special magic numbers for {needle['key']} is: {needle['value']}. "
             ).input_ids
-            body = body[:at] + sentence + body[at:]
-            placed.append({**needle, "position": len(prefix) + at})
+            body, after = body[:at] + sentence + body[at:], at + len(sentence)
+            placed.append({**needle, "position": len(prefix) + at, "end": len(prefix) + at + len(sentence)})
+            if placed[-1]["end"] > needle["cell"]:
+                raise ValueError(f"the needle at {needle['depth']:.0%} of {needle['cell']} tokens ends past them")
     ids = torch.tensor(prefix + body)[:max_len]
-    return ids, sorted(placed, key=lambda n: n["position"]), len(prefix)
+    return ids, placed, len(prefix)
 
 
 def question_ids(tokenizer, key: str) -> torch.Tensor:

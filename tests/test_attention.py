@@ -141,6 +141,41 @@ def test_eager_attention_and_other_ops_decode_the_history():
     assert torch.equal(keys + 0, decoded_keys) and torch.equal(keys.sum(), decoded_keys.sum())
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "causal"])
+def test_a_prefill_chunk_attends_to_the_decoded_history_at_its_own_kv_heads(mask_kind, monkeypatch):
+    """A prefill chunk (more queries than the storage path serves) attends to the decoded history with SDPA's GQA, in
+    blocks of query rows: the numbers of SDPA over repeat_kv's copy, without making that copy (the history of each kv
+    head is never expanded per query head) or the float mask of every query row at once."""
+    import torch.nn.functional as F
+
+    from hf_deltakv.attention import stored
+
+    torch.manual_seed(0)
+    length, rows = 700, 700 if mask_kind == "causal" else 600
+    cache = QuantizedKVCache("q4_0", "q4_0")
+    keys, values = cache.update(torch.randn(1, 2, length, 32), torch.randn(1, 2, length, 32), 0)
+    query = torch.randn(1, 8, rows, 32)
+    history = [t.repeat_interleave(4, dim=1) for t in cache.layers[0].reconstruct()]
+    mask = torch.ones(rows, length, dtype=torch.bool).tril(length - rows)[None, None]
+    if mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    mask = None if mask_kind == "causal" else mask
+    want = F.scaled_dot_product_attention(query, *history, attn_mask=mask, is_causal=mask is None)
+
+    def repeated(tensor):  # transformers' repeat_kv, followed lazily by StoredKV
+        return tensor[:, :, None, :, :].expand(1, 2, 4, length, 32).reshape(1, 8, length, 32)
+
+    monkeypatch.setattr(StoredKV, "decoded", lambda self: pytest.fail("the history was expanded per query head"))
+    calls = []
+    plain = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape) or plain(*a, **k))
+    got = stored._sdpa_on_decoded((query, repeated(keys), repeated(values), mask, 0.0, mask is None), {})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    block = stored.SDPA_QUERY_BLOCK if mask is not None else rows  # causal over the whole history: no mask made
+    assert [shape[-2] for shape in calls] == [min(block, rows - start) for start in range(0, rows, block)]
+    assert all(shape[1] == 8 for shape in calls)
+
+
 CODECS = {
     "q4_0": lambda: PlainCodec("q4_0"),
     "q4_0_16-rot": lambda: RotatedCodec(PlainCodec("q4_0_16")),

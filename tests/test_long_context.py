@@ -62,3 +62,38 @@ def test_a_run_of_some_models_keeps_the_other_rows(monkeypatch):
     assert earlier["config"]["runs"] == [{"date": "then"}]  # the earlier file's dict is not changed in place
     fresh, results, memory = long_context.kept(None, {"text": "t"}, {"a": (1024, ("delta",))}, set())
     assert fresh == {"text": "t", "caches": {"a": ["delta"]}, "runs": []} and results == memory == []
+
+
+class _BytesTokenizer:
+    """A tokenizer of one token per byte, with a chat template: enough to build the benchmark's document."""
+
+    class _Ids:
+        def __init__(self, ids: list[int]) -> None:
+            self.input_ids = ids
+
+    def __call__(self, text: str, return_tensors: str | None = None) -> _Ids:
+        return self._Ids(list(text.encode()))
+
+    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:
+        return "<user>" + messages[0]["content"] + "</user>" + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeypatch):
+    """Each needle starts at its depth of its length in the document as built (needles before it included) and ends
+    inside that length, so every question's answer is in the context it is asked over, and once: no key repeats."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    long_context = importlib.import_module("long_context")
+    tokenizer = _BytesTokenizer()
+    ids, placed, prefix = long_context.build_document(tokenizer, 32768, True)
+    assert len(placed) == len(long_context.CELLS) * long_context.NEEDLES_PER_CELL
+    assert len({n["key"] for n in placed}) == len(placed)
+    ids = ids.tolist()
+    for needle in placed:
+        sentence = tokenizer(f" One of the special magic numbers for {needle['key']} is: {needle['value']}. ").input_ids
+        assert ids[needle["position"] : needle["end"]] == sentence
+        assert needle["position"] == max(int(needle["depth"] * needle["cell"]), prefix)
+        assert needle["end"] <= needle["cell"]
+    # the shortest length's needles are drawn as they always were (its keys were free)
+    assert [(n["key"], n["value"]) for n in long_context.needles(4096, 4096)] == [
+        (n["key"], n["value"]) for n in placed if n["cell"] == 4096
+    ]
