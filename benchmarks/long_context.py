@@ -73,10 +73,11 @@ def needles(length: int, seed: int, taken: frozenset[str] = frozenset()) -> list
     """Key-value needles at depths 5 %, 15 %, ..., 95 % of `length`: unique keys, 7-digit values. A key some shorter
     length's needle already uses (`taken`) is drawn again, so no question has two answers in one document."""
     rng = random.Random(seed)
-    keys = rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], NEEDLES_PER_CELL)
+    every = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]
+    keys = rng.sample(every, NEEDLES_PER_CELL)
     rows = [{"key": k, "value": str(rng.randrange(10**6, 10**7)), "depth": (i + 0.5) / NEEDLES_PER_CELL,
              "cell": length} for i, k in enumerate(keys)]  # fmt: skip
-    free = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS if f"{a}-{n}" not in taken | set(keys)]
+    free = [key for key in every if key not in taken | set(keys)]
     for row in rows:  # redrawn after the values, so every needle whose key was free is as it always was
         if row["key"] in taken:
             row["key"] = free.pop(rng.randrange(len(free)))

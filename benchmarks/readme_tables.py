@@ -81,7 +81,6 @@ CURRENT = (
     "encode_cost.json",
     "long_context.json",
 )
-LONG_CONTEXT_RUNS = ("long_context.json",)  # long_context.py's results, the full run first
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
 DECODE_RUNS = {
     "decode_speed.json": "",
@@ -165,16 +164,15 @@ def supported_models_line() -> str:
 
 
 def long_context_tables(brief: bool = False) -> str:
-    """Error against length, retrieval, multi-turn and memory (`LONG_CONTEXT_RUNS`); `brief`: the README's. A model
+    """Error against length, retrieval, multi-turn and memory (long_context.json); `brief`: the README's. A model
     row's `note` (what a later finding says of it) is printed above its tables."""
     result = _load("long_context.json")
     if not result:
         return "(run benchmarks/long_context.py)"
     out = []
-    runs = [(name, run) for name in LONG_CONTEXT_RUNS for run in (_load(name) or {"models": []})["models"]]
-    for name, run in runs:
+    for run in result["models"]:
         if run.get("note"):
-            out.append(f"**{run['model']}, `{name}`:** {run['note']}\n")
+            out.append(f"**{run['model']}, `long_context.json`:** {run['note']}\n")
         buckets = [_span(b["from"], b["to"]) for b in run["kl"][0]["buckets"]]
         out.append(
             f"KL divergence from DynamicCache by position, {run['model']}, {run['tokens']} tokens of WikiText-2 test "
