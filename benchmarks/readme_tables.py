@@ -217,7 +217,7 @@ def long_context_tables(brief: bool = False, name: str = "long_context.json") ->
         out.append("| model | cache | tokens | peak RSS MiB | vs DynamicCache | above model MiB | held after "
                    "prefill MiB | after decode MiB |")  # fmt: skip
         out.append("|---|---|---:|---:|---:|---:|---:|---:|")
-        for row in result["memory"]:
+        for row in sorted(result["memory"], key=lambda r: (r["tokens"], r["cache"] != "dynamic")):  # by length
             same = [r for r in result["memory"] if (r.get("model"), r["tokens"]) == (row.get("model"), row["tokens"])]
             dynamic = [r["peak_rss"] for r in same if r["cache"] == "dynamic"]
             ratio = f"{row['peak_rss'] / dynamic[0]:.2f}x" if dynamic else "–"
