@@ -8,7 +8,8 @@ b. retrieval, RULER-style multi-key needles (Qwen2.5-Coder only, the model of th
    is a chat turn whose text carries "One of the special magic numbers for <key> is: <7 digits>." needles, 10 per
    context length at depths 5 %, 15 %, ..., 95 % of that length (each a distractor for the others); when the
    document reaches 4K, 8K, 16K and 32K tokens, every cache is asked for each of that length's needles (a copy of
-   the cache per question, the question ending the turn), greedy, correct when the 7 digits come back;
+   the cache per question, the question ending the turn), greedy, correct when the 7 digits come back, with the
+   right digits' teacher-forced margin (`answer_margin`: a near tie any cache may flip, or a loss of the cache's);
 c. multi-turn: at 8K, the 10 questions of that length in successive turns on one copy of each cache (its own
    answers carried), answers compared with DynamicCache's turn by turn;
 d. memory: a separate process per cache and length (prefill in chunks + 64 greedy decoding steps; 16 in --quick):
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import random
@@ -138,6 +140,24 @@ def answer(model, cache, ids: torch.Tensor) -> list[int]:
     return out
 
 
+@torch.no_grad()
+def answer_margin(model, cache, ids: torch.Tensor, tokenizer, value: str) -> float:
+    """How surely the model gives the right number after the question `ids`, teacher-forced on " <value>": the
+    smallest, over the value's digit tokens, of the right token's logit minus the best other token's (the log-prob
+    margin; negative: greedy decoding leaves the value there). A miss near 0 is a near tie the model makes with any
+    cache, one far below 0 where the ceiling is far above is what a cache lost."""
+    target = tokenizer(" " + value, return_tensors="pt").input_ids
+    logits = model(torch.cat([ids, target], dim=1), cache=cache, use_cache=True,
+                   logits_to_keep=target.shape[1] + 1).logits[0, :-1].float()  # fmt: skip
+    margins = []
+    for row, token in zip(logits, target[0].tolist(), strict=True):
+        if any(ch.isdigit() for ch in tokenizer.decode([token])):
+            right = float(row[token])
+            row[token] = -math.inf
+            margins.append(right - float(row.max()))
+    return min(margins)
+
+
 def make(name: str, model):
     if name == "dynamic":
         return DynamicCache(config=model.config)
@@ -175,8 +195,10 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
                 question = question_ids(tokenizer, needle["key"])
                 for n, cache in live.items():
                     text = tokenizer.decode(answer(model, copy.deepcopy(cache), question))
+                    margin = answer_margin(model, copy.deepcopy(cache), question, tokenizer, needle["value"])
                     retrieval_rows.append({"cache": n, "cell": end, "depth": needle["depth"], "key": needle["key"],
-                                           "correct": needle["value"] in text, "answer": text})  # fmt: skip
+                                           "correct": needle["value"] in text, "answer": text,
+                                           "margin": round(margin, 3)})  # fmt: skip
             if end == MULTI_TURN_CELL:
                 turns = multi_turn(model, tokenizer, live, [p for p in placed if p["cell"] == end])
         print(f"  {name}: {end} tokens, {time.time() - started:.0f} s", file=sys.stderr, flush=True)

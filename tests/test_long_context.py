@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
 
@@ -31,6 +32,7 @@ def test_every_part_of_the_long_context_benchmark_runs_on_smollm2(tmp_path):
     assert kl["snapkv"][0] < 1e-6 < kl["snapkv"][-1]  # eviction is exact until it drops, then loses
     cells = {(row["cache"], row["cell"]) for row in run["retrieval"]}
     assert cells == {(c, 1024) for c in ("dynamic", "delta", "snapkv")} and len(run["retrieval"]) == 6
+    assert all(math.isfinite(row["margin"]) for row in run["retrieval"])  # each answer's digit margin
     turns = run["multi_turn"]
     assert set(turns) == {"dynamic", "delta", "snapkv"}
     assert turns["dynamic"]["same_as_dynamic"] == turns["dynamic"]["of"] == 2
@@ -72,7 +74,8 @@ class _BytesTokenizer:
             self.input_ids = ids
 
     def __call__(self, text: str, return_tensors: str | None = None) -> _Ids:
-        return self._Ids(list(text.encode()))
+        ids = list(text.encode())
+        return self._Ids(torch.tensor([ids]) if return_tensors == "pt" else ids)
 
     def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:
         return "<user>" + messages[0]["content"] + "</user>" + ("<assistant>" if add_generation_prompt else "")
@@ -97,3 +100,27 @@ def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeyp
     assert [(n["key"], n["value"]) for n in long_context.needles(4096, 4096)] == [
         (n["key"], n["value"]) for n in placed if n["cell"] == 4096
     ]
+
+
+def test_answer_margin_is_the_smallest_digit_margin_teacher_forced(monkeypatch):
+    """The margin reads the logits that predict each token of " <value>" after the question and keeps the digits'
+    smallest right-minus-best-other gap (the space before them is format, not the answer)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    long_context = importlib.import_module("long_context")
+    tokenizer = _BytesTokenizer()
+    tokenizer.decode = lambda tokens: bytes(tokens).decode()
+    question = tokenizer("Q?", return_tensors="pt").input_ids
+    seen = {}
+
+    class Model:  # rows predict " ", "4", "2": the space loses by 5, "4" wins by 2, "2" loses by 0.5
+        def __call__(self, ids, cache, use_cache, logits_to_keep):
+            seen.update(ids=ids.tolist(), keep=logits_to_keep, cache=cache)
+            logits = torch.zeros(1, logits_to_keep, 256)
+            logits[0, 0, 32], logits[0, 0, 7] = -4.0, 1.0
+            logits[0, 1, 52], logits[0, 1, 9] = 3.0, 1.0
+            logits[0, 2, 50], logits[0, 2, 9] = 0.5, 1.0
+            return type("Out", (), {"logits": logits})()
+
+    margin = long_context.answer_margin(Model(), "cache", question, tokenizer, "42")
+    assert margin == pytest.approx(-0.5)
+    assert seen == {"ids": [list(b"Q? 42")], "keep": 4, "cache": "cache"}
