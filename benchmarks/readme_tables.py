@@ -68,6 +68,7 @@ def seed_verdict(tables: dict[str, dict]) -> list[str]:
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+NEEDLES_RERUN = "long_context_16k.json"  # retrieval and multi-turn rerun to 16K after the needle document's fix
 CURRENT = (
     "quality.json",
     "ablation_kld.json",
@@ -80,9 +81,8 @@ CURRENT = (
     "bit_tradeoff.json",
     "encode_cost.json",
     "long_context.json",
-    "long_context_16k.json",
+    NEEDLES_RERUN,
 )
-NEEDLES_RERUN = "long_context_16k.json"  # retrieval and multi-turn rerun to 16K after the needle document's fix
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
 DECODE_RUNS = {
     "decode_speed.json": "",

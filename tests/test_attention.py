@@ -169,7 +169,8 @@ def test_a_prefill_chunk_attends_to_the_decoded_history_at_its_own_kv_heads(mask
     calls = []
     plain = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape) or plain(*a, **k))
-    got = stored._sdpa_on_decoded((query, repeated(keys), repeated(values), mask, 0.0, mask is None), {})
+    call = stored._own_call((query, repeated(keys), repeated(values), mask, 0.0, mask is None), {})
+    got = stored._sdpa_on_decoded(call)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     block = stored.SDPA_QUERY_BLOCK if mask is not None else rows  # causal over the whole history: no mask made
     assert [shape[-2] for shape in calls] == [min(block, rows - start) for start in range(0, rows, block)]

@@ -106,11 +106,13 @@ class StoredKV(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            served = _serve_sdpa(args, kwargs)
-            if served is None:
-                served = _sdpa_on_decoded(args, kwargs)
-            if served is not None:
-                return served
+            call = _own_call(args, kwargs)
+            if call is not None:
+                served = _serve_sdpa(call)
+                if served is None:
+                    served = _sdpa_on_decoded(call)
+                if served is not None:
+                    return served
         elif getattr(func, "__name__", "") == "__get__" or func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -138,7 +140,8 @@ def _decoded(x):
 
 def _own_call(args: tuple, kwargs: dict) -> dict | None:
     """The arguments of an SDPA call by name when its keys and values are one layer's own pair as `update` returned
-    it (maybe repeated by `repeat_kv`), else None."""
+    it (maybe repeated by `repeat_kv`), else None. `enable_gqa` is set when repeat_kv repeated the heads: the layer's
+    own kv heads are read either way."""
     call = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS[: len(args)], args, strict=True)), **kwargs}
     key, value = call["key"], call["value"]
     if not (isinstance(key, StoredKV) and isinstance(value, StoredKV)) or key.pair is not value.pair:
@@ -147,18 +150,17 @@ def _own_call(args: tuple, kwargs: dict) -> dict | None:
         return None
     if key.stage != "plain" or value.stage != "plain" or key.repeats != value.repeats:
         return None
-    return None if isinstance(call["attn_mask"], StoredKV) else call
-
-
-def _serve_sdpa(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The layer's answer to an SDPA call on its own keys and values, or None (then SDPA runs on the decoded ones)."""
-    call = _own_call(args, kwargs)
-    if call is None:
+    if isinstance(call["attn_mask"], StoredKV):
         return None
+    return {**call, "enable_gqa": call["enable_gqa"] or key.repeats > 1}
+
+
+def _serve_sdpa(call: dict) -> torch.Tensor | None:
+    """The layer's answer to an SDPA call on its own keys and values (`_own_call`), or None (then SDPA runs on the
+    decoded ones)."""
     key = call["key"]
-    gqa = call["enable_gqa"] or key.repeats > 1  # heads repeated by repeat_kv: the layer reads its own kv heads
     out = key.pair.layer.sdpa(
-        call["query"], call["attn_mask"], call["dropout_p"], call["is_causal"], call["scale"], gqa
+        call["query"], call["attn_mask"], call["dropout_p"], call["is_causal"], call["scale"], call["enable_gqa"]
     )
     if out is not None:
         _read_done(key.pair.layer)
@@ -168,20 +170,19 @@ def _serve_sdpa(args: tuple, kwargs: dict) -> torch.Tensor | None:
 SDPA_QUERY_BLOCK = 256  # query rows per SDPA call over a decoded history (bounds the float mask made of a bool one)
 
 
-def _sdpa_on_decoded(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def _sdpa_on_decoded(call: dict) -> torch.Tensor | None:
     """SDPA over a layer's decoded history (a prefill chunk) without what the plain call would allocate on top of
     it: the history is decoded once at its own kv heads (SDPA's `enable_gqa` rather than `repeat_kv`'s copy per query
     head), and queries go `SDPA_QUERY_BLOCK` rows at a time under a mask (SDPA turns a bool mask into a float one of
     queries x history). The same numbers as the plain call (each query row's softmax is its own). None: not this
-    case (then the plain call runs)."""
-    call = _own_call(args, kwargs)
-    if call is None or call["dropout_p"]:
+    case (then the plain call runs). `call`: an SDPA call on a layer's own pair (`_own_call`)."""
+    if call["dropout_p"]:
         return None
     query, key, mask = call["query"], call["key"], call["attn_mask"]
     if call["is_causal"] and query.shape[-2] != key.shape[-2]:
         return None  # SDPA's own top-left causal rule over a longer history: left to the plain call
     keys, values = key.pair.decode(0, key.dtype), key.pair.decode(1, call["value"].dtype)
-    gqa = call["enable_gqa"] or key.repeats > 1
+    gqa = call["enable_gqa"]
     rows = query.shape[-2]
     if mask is None or rows <= SDPA_QUERY_BLOCK or mask.shape[-2] != rows:
         return F.scaled_dot_product_attention(
