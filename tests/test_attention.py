@@ -4,6 +4,8 @@ random models."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -249,6 +251,39 @@ def test_stream_attention_kernel_turns_long_runs_of_positions_exactly(key):
     torch.testing.assert_close(
         kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
     )
+
+
+def _with_room(t: torch.Tensor) -> torch.Tensor:
+    """`t` `[B, H, rows, ...]` as the leading rows of a larger buffer (what `codecs.base.GrowingRows` keeps)."""
+    return torch.cat([t, torch.zeros_like(t[:, :, :3])], dim=2)[:, :, : t.shape[2]]
+
+
+@pytest.mark.parametrize("key", ["adaptive-16", "adaptive-32", "kivi"])
+def test_stream_attention_kernel_reads_buffers_with_room_in_place(key):
+    """Coded groups appended into buffers with room are views whose heads lie further apart than their rows: the
+    kernel reads them where they lie (no copy per call) and attends exactly as over contiguous copies."""
+    batch, heads, dim, length = 2, 3, 64, 150
+    keys = _stream(CODECS[key], length, batch, heads, dim, seed=7).layout()
+    values = _stream(CODECS["q4_0"], length, batch, heads, dim, seed=8).layout()
+    if isinstance(keys, kernels.AdaptiveStream):
+        roomy = dataclasses.replace(
+            keys, **{n: _with_room(getattr(keys, n)) for n in ("planes", "bits", "low", "step")}
+        )
+        assert not roomy.planes.is_contiguous()
+    else:
+        roomy = dataclasses.replace(keys, groups=keys.groups.map(_with_room))
+        assert not roomy.groups.codes.is_contiguous()
+    g = torch.Generator().manual_seed(9)
+    query = torch.randn(batch, heads, 3, dim, generator=g)
+    no_sinks = torch.zeros(batch, heads, 0, dim)
+    rope = rope_angles(batch, length, dim, g)
+
+    def attend(stream):
+        return kernels.stream_attention(query, no_sinks, no_sinks, stream, values, rope, None, 1, length - 1, 0.125)
+
+    assert torch.equal(attend(roomy), attend(keys))
+    args = (query, no_sinks, no_sinks, roomy, values, rope, None, 1, length - 1, 0.125)
+    torch.testing.assert_close(attend(roomy), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4)
 
 
 def test_cpu_kernel_builds_and_reads_the_default_delta_cache():

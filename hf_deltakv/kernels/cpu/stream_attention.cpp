@@ -250,6 +250,9 @@ struct Stream {
   bool adaptive = false, channel = false, keyframe_reference = false;
   Blocks channel_blocks;
   int64_t group = 0, pad = 0, n_groups = 0, planes_per_group = 0, coded = 0, tail_rows = 0;
+  // Groups between one head's first group and the next one's in each coded tensor: codecs append groups in place
+  // into buffers with room (codecs/base.py: GrowingRows), read where they lie rather than copied at every call.
+  int64_t planes_head = 0, depths_head = 0, low_head = 0, step_head = 0;
   at::Tensor planes_t, depths_t, low_t, step_t, tail_t;
   const uint8_t* planes = nullptr;
   const uint8_t* depths = nullptr;
@@ -274,10 +277,12 @@ struct Stream {
       tail = tail_t.data_ptr<at::Half>();
       tail_rows = tail_t.size(2);
       if (!layout.attr("planes").is_none()) {
-        planes_t = layout.attr("planes").cast<at::Tensor>().contiguous();
-        depths_t = layout.attr("bits").cast<at::Tensor>().contiguous();
-        low_t = layout.attr("low").cast<at::Tensor>().contiguous();
-        step_t = layout.attr("step").cast<at::Tensor>().contiguous();
+        planes_t = Blocks::rows_of(layout.attr("planes").cast<at::Tensor>());
+        depths_t = Blocks::rows_of(layout.attr("bits").cast<at::Tensor>());
+        low_t = Blocks::rows_of(layout.attr("low").cast<at::Tensor>());
+        step_t = Blocks::rows_of(layout.attr("step").cast<at::Tensor>());
+        planes_head = Blocks::head_rows(planes_t), depths_head = Blocks::head_rows(depths_t);
+        low_head = Blocks::head_rows(low_t), step_head = Blocks::head_rows(step_t);
         planes = planes_t.data_ptr<uint8_t>();
         depths = depths_t.data_ptr<uint8_t>();
         low = low_t.data_ptr<at::Half>();
@@ -415,17 +420,16 @@ struct Stream {
     if (channel) {  // one block of `group` tokens per channel, rows ordered (batch, head, group, channel)
       for (int64_t c = 0; c < dim; ++c) {
         float* row = direct ? kt + c * tile : whole;
-        channel_blocks.row((bh * n_groups + k) * dim + c, row);
+        channel_blocks.row((bh * channel_blocks.rows_per_head + k) * dim + c, row);
         if (!direct) std::copy(whole + j0, whole + j0 + n, kt + c * tile);
       }
       return;
     }
     const int64_t width = group / 8;  // bytes per plane
-    const int64_t g = bh * n_groups + k;
-    const uint8_t* gp = planes + g * planes_per_group * width;
-    const uint8_t* gd = depths + g * (dim / 2);
-    const at::Half* gl = low + g * dim;
-    const at::Half* gs = step + g * dim;
+    const uint8_t* gp = planes + (bh * planes_head + k) * planes_per_group * width;
+    const uint8_t* gd = depths + (bh * depths_head + k) * (dim / 2);
+    const at::Half* gl = low + (bh * low_head + k) * dim;
+    const at::Half* gs = step + (bh * step_head + k) * dim;
     int64_t plane = 0;
     for (int64_t c = 0; c < dim; ++c) {
       // quant.pack_4bit: byte i holds channel i (low nibble) and channel i + dim/2 (high nibble)
