@@ -22,6 +22,8 @@ a long shared context).
     python benchmarks/long_context.py --quick             # SmolLM2 to 1K, 2 needles: the CI's version (~1 min)
     python benchmarks/long_context.py --models gemma3-270m --no-memory      # one model; the other rows stay
     python benchmarks/long_context.py --memory-only --memory-lengths 32768   # memory rows only, merged into the JSON
+    python benchmarks/long_context.py --models qwen2.5-coder-0.5b --caches delta --ask-cells 32768 --no-memory \
+        --out benchmarks/results/long_context_32k.json    # one cell beside DynamicCache, in its own file
 
 Writes benchmarks/results/long_context.json.
 """
@@ -165,7 +167,11 @@ def make(name: str, model):
 
 
 @torch.no_grad()
-def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stride: int, retrieval: bool) -> dict:
+def run_model(
+    name: str, max_len: int, caches: tuple[str, ...], chunk: int, stride: int, retrieval: bool, asked: tuple[int, ...]
+) -> dict:
+    """One model's pass: KL per bucket for every cache; with `retrieval`, the needles of the cells in `asked` (the
+    document carries every cell's needles either way, so a cell asked alone is the cell of a full run)."""
     model, tokenizer = load_model(name)
     ids, placed, _ = build_document(tokenizer, max_len, retrieval)
     live = {n: make(n, model) for n in ("dynamic", *caches)}
@@ -190,7 +196,7 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
             for b in range(len(BUCKETS) - 1):
                 kl_sum[n][b] += float(kl[bucket == b].sum())
         end = start + piece.shape[1]
-        if retrieval and end in CELLS:
+        if retrieval and end in asked:
             for needle in (p for p in placed if p["cell"] == end):
                 question = question_ids(tokenizer, needle["key"])
                 for n, cache in live.items():
@@ -207,7 +213,7 @@ def run_model(name: str, max_len: int, caches: tuple[str, ...], chunk: int, stri
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
     return {"model": name, "tokens": int(ids.numel()), "chunk": chunk, "stride": stride,
-            "cells": [c for c in CELLS if c <= ids.numel()] if retrieval else [], "kl": kl_rows,
+            "cells": [c for c in asked if c <= ids.numel()] if retrieval else [], "kl": kl_rows,
             "retrieval": retrieval_rows,
             "multi_turn": turns, "bytes_held": nbytes, "reachable_bytes": reachable,
             "fp16_bytes": fp16_bytes(live["dynamic"]),
@@ -327,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the memory runs, merged into --out's rows")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every model's document (and memory runs)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ask-cells", default=None, help="retrieval cells asked (default: every one reached)")
     parser.add_argument("--out", default=str(RESULTS / "long_context.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -346,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (1024,), 1024, 2
     CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
     MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
+    asked_cells = tuple(int(c) for c in args.ask_cells.split(",")) if args.ask_cells else CELLS
+    if not set(asked_cells) <= set(CELLS):
+        parser.error(f"--ask-cells must be among the cells this run reaches, {CELLS}")
     if args.memory_only:
         models = {}
     retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
@@ -370,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (length, caches) in models.items():
         retrieval = name == retrieval_model
-        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval=retrieval))
+        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval, asked_cells))
         save(done=False)
     if asked:
         memory(memory_model, memory_caches, memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS,

@@ -68,7 +68,21 @@ def seed_verdict(tables: dict[str, dict]) -> list[str]:
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
-NEEDLES_RERUN = "long_context_16k.json"  # retrieval and multi-turn rerun to 16K after the needle document's fix
+# Long-context reruns after the needle document's fix, each in its own file: file -> (heading, how it ran).
+RERUNS = {
+    "long_context_16k.json": (
+        "Long contexts to 16K on the fixed needle document",
+        "`long_context.py --models qwen2.5-coder-0.5b --max-tokens 16384 --no-memory --out "
+        "benchmarks/results/long_context_16k.json`: the document carries the needles of the 4K, 8K and 16K cells "
+        "(not the 32K cell's).",
+    ),
+    "long_context_32k.json": (
+        "The 32K cell on the fixed needle document",
+        "`long_context.py --models qwen2.5-coder-0.5b --caches delta --ask-cells 32768 --no-memory --out "
+        "benchmarks/results/long_context_32k.json`: the whole 32K document (every cell's needles), the 32K cell's "
+        "questions only, DeltaKVCache beside DynamicCache.",
+    ),
+}
 CURRENT = (
     "quality.json",
     "ablation_kld.json",
@@ -81,7 +95,7 @@ CURRENT = (
     "bit_tradeoff.json",
     "encode_cost.json",
     "long_context.json",
-    NEEDLES_RERUN,
+    *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
 DECODE_RUNS = {
@@ -323,12 +337,10 @@ def results() -> None:
     if _load("long_context.json"):
         print("\n## Long contexts (`long_context.py`, `long_context.json`)\n")
         print(long_context_tables())
-    if _load(NEEDLES_RERUN):
-        print(f"\n## Long contexts to 16K on the fixed needle document (`{NEEDLES_RERUN}`)\n")
-        print("`long_context.py --models qwen2.5-coder-0.5b --max-tokens 16384 --no-memory --out "
-              f"benchmarks/results/{NEEDLES_RERUN}`: the document carries the needles of the 4K, 8K and 16K cells "
-              "(not the 32K cell's).\n")  # fmt: skip
-        print(long_context_tables(name=NEEDLES_RERUN))
+    for name, (heading, how) in RERUNS.items():
+        if _load(name):
+            print(f"\n## {heading} (`{name}`)\n\n{how}\n")
+            print(long_context_tables(name=name))
     triton_table()
     gpu_prediction_table()
     sliding = _load("sliding_memory.json")
