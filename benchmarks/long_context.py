@@ -333,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the memory runs, merged into --out's rows")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every model's document (and memory runs)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--ask-cells", default=None, help="retrieval cells asked (default: every one reached)")
+    parser.add_argument("--ask-cells", default=None,
+                        help="retrieval cells asked, e.g. 32768 (default: every one reached; multi-turn runs only if "
+                             "its cell is asked)")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS / "long_context.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -353,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (1024,), 1024, 2
     CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
     MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
-    asked_cells = tuple(int(c) for c in args.ask_cells.split(",")) if args.ask_cells else CELLS
-    if not set(asked_cells) <= set(CELLS):
+    ask_text = [c.strip() for c in args.ask_cells.split(",")] if args.ask_cells else [str(c) for c in CELLS]
+    asked_cells = tuple(int(c) for c in ask_text if c.isdigit())
+    if len(asked_cells) != len(ask_text) or not set(asked_cells) <= set(CELLS):
         parser.error(f"--ask-cells must be among the cells this run reaches, {CELLS}")
     if args.memory_only:
         models = {}
