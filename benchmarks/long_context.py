@@ -24,6 +24,8 @@ a long shared context).
     python benchmarks/long_context.py --memory-only --memory-lengths 32768   # memory rows only, merged into the JSON
     python benchmarks/long_context.py --models qwen2.5-coder-0.5b --caches delta --ask-cells 32768 --no-memory \
         --out benchmarks/results/long_context_32k.json    # one cell beside DynamicCache, in its own file
+    python benchmarks/long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --needles 20 \
+        --ask-cells 16384 --no-memory --out benchmarks/results/long_context_16k_20.json   # 20 trials in one cell
 
 Writes benchmarks/results/long_context.json.
 """
@@ -321,6 +323,7 @@ def kept(earlier: dict | None, config: dict, models: dict, asked: set) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="SmolLM2 to 1K tokens, every part (the CI's version)")
     parser.add_argument("--models", default=",".join(MODELS))
@@ -333,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the memory runs, merged into --out's rows")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every model's document (and memory runs)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--needles", type=int, default=NEEDLES_PER_CELL, help="needles per cell (a new document)")
     parser.add_argument("--ask-cells", default=None,
                         help="retrieval cells asked, e.g. 32768 (default: every one reached; multi-turn runs only if "
                              "its cell is asked)")  # fmt: skip
@@ -348,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     models = {m: (min(MODELS[m][0], cap), override or MODELS[m][1]) for m in args.models.split(",")}
     memory_lengths = tuple(n for n in (int(n) for n in args.memory_lengths.split(",")) if n <= cap) or (cap,)
     memory_caches = tuple(args.memory_caches.split(","))
-    global CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL
+    if not 1 <= args.needles <= len(ADJECTIVES) * len(NOUNS) // len(CELLS):
+        parser.error(f"--needles must be 1 to {len(ADJECTIVES) * len(NOUNS) // len(CELLS)} (unique keys)")
+    NEEDLES_PER_CELL = args.needles
     if args.quick:  # every part, small: ~1 min (two chunks, so eviction acts between them)
         models, memory_lengths = {"smollm2-135m": (1024, override or ("delta", "snapkv"))}, (1024,)
         memory_caches, args.chunk = ("dynamic", "delta"), 512

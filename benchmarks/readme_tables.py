@@ -82,6 +82,13 @@ RERUNS = {
         "benchmarks/results/long_context_32k.json`: the whole 32K document (every cell's needles), the 32K cell's "
         "questions only, DeltaKVCache beside DynamicCache.",
     ),
+    "long_context_16k_20.json": (
+        "The 16K cell with 20 needles",
+        "`long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --needles 20 --ask-cells "
+        "16384 --no-memory --out benchmarks/results/long_context_16k_20.json`: a document with 20 needles per cell "
+        "(another draw of keys and values than the 10-needle one), the 16K cell's asked, DeltaKVCache beside "
+        "DynamicCache.",
+    ),
 }
 CURRENT = (
     "quality.json",

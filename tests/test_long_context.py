@@ -81,11 +81,13 @@ class _BytesTokenizer:
         return "<user>" + messages[0]["content"] + "</user>" + ("<assistant>" if add_generation_prompt else "")
 
 
-def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeypatch):
+@pytest.mark.parametrize("per_cell", [10, 20])  # the default, and --needles 20
+def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeypatch, per_cell):
     """Each needle starts at its depth of its length in the document as built (needles before it included) and ends
     inside that length, so every question's answer is in the context it is asked over, and once: no key repeats."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     long_context = importlib.import_module("long_context")
+    monkeypatch.setattr(long_context, "NEEDLES_PER_CELL", per_cell)
     tokenizer = _BytesTokenizer()
     ids, placed, prefix = long_context.build_document(tokenizer, 32768, True)
     assert len(placed) == len(long_context.CELLS) * long_context.NEEDLES_PER_CELL
