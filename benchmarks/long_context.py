@@ -170,9 +170,15 @@ def make(name: str, model):
 
 @torch.no_grad()
 def run_model(
-    name: str, max_len: int, caches: tuple[str, ...], chunk: int, stride: int, retrieval: bool, asked: tuple[int, ...]
+    name: str,
+    max_len: int,
+    caches: tuple[str, ...],
+    chunk: int,
+    stride: int,
+    retrieval: bool,
+    ask_cells: tuple[int, ...],
 ) -> dict:
-    """One model's pass: KL per bucket for every cache; with `retrieval`, the needles of the cells in `asked` (the
+    """One model's pass: KL per bucket for every cache; with `retrieval`, the needles of the cells in `ask_cells` (the
     document carries every cell's needles either way, so a cell asked alone is the cell of a full run)."""
     model, tokenizer = load_model(name)
     ids, placed, _ = build_document(tokenizer, max_len, retrieval)
@@ -198,7 +204,7 @@ def run_model(
             for b in range(len(BUCKETS) - 1):
                 kl_sum[n][b] += float(kl[bucket == b].sum())
         end = start + piece.shape[1]
-        if retrieval and end in asked:
+        if retrieval and end in ask_cells:
             for needle in (p for p in placed if p["cell"] == end):
                 question = question_ids(tokenizer, needle["key"])
                 for n, cache in live.items():
@@ -215,7 +221,7 @@ def run_model(
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
     return {"model": name, "tokens": int(ids.numel()), "chunk": chunk, "stride": stride,
-            "cells": [c for c in asked if c <= ids.numel()] if retrieval else [], "kl": kl_rows,
+            "cells": [c for c in ask_cells if c <= ids.numel()] if retrieval else [], "kl": kl_rows,
             "retrieval": retrieval_rows,
             "multi_turn": turns, "bytes_held": nbytes, "reachable_bytes": reachable,
             "fp16_bytes": fp16_bytes(live["dynamic"]),
@@ -352,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     models = {m: (min(MODELS[m][0], cap), override or MODELS[m][1]) for m in args.models.split(",")}
     memory_lengths = tuple(n for n in (int(n) for n in args.memory_lengths.split(",")) if n <= cap) or (cap,)
     memory_caches = tuple(args.memory_caches.split(","))
-    if not 1 <= args.needles <= len(ADJECTIVES) * len(NOUNS) // len(CELLS):
-        parser.error(f"--needles must be 1 to {len(ADJECTIVES) * len(NOUNS) // len(CELLS)} (unique keys)")
+    most = len(ADJECTIVES) * len(NOUNS) // len(CELLS)  # keys stay unique over every cell's needles
+    if not 1 <= args.needles <= most:
+        parser.error(f"--needles must be 1 to {most} (unique keys)")
     NEEDLES_PER_CELL = args.needles
     if args.quick:  # every part, small: ~1 min (two chunks, so eviction acts between them)
         models, memory_lengths = {"smollm2-135m": (1024, override or ("delta", "snapkv"))}, (1024,)
@@ -361,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL = (1024,), 1024, 2
     CELLS = tuple(c for c in CELLS if c <= max(length for length, _ in models.values()))
     MULTI_TURN_CELL = min(MULTI_TURN_CELL, max(CELLS))  # a shorter run asks its turns at its longest cell
-    ask_text = [c.strip() for c in args.ask_cells.split(",")] if args.ask_cells else [str(c) for c in CELLS]
-    asked_cells = tuple(int(c) for c in ask_text if c.isdigit())
-    if len(asked_cells) != len(ask_text) or not set(asked_cells) <= set(CELLS):
-        parser.error(f"--ask-cells must be among the cells this run reaches, {CELLS}")
+    ask_cells = CELLS
+    if args.ask_cells:
+        given = [c.strip() for c in args.ask_cells.split(",")]
+        if not all(c.isdigit() for c in given) or not {int(c) for c in given} <= set(CELLS):
+            parser.error(f"--ask-cells must be among the cells this run reaches, {CELLS}")
+        ask_cells = tuple(int(c) for c in given)
     if args.memory_only:
         models = {}
     retrieval_model = RETRIEVAL_MODEL if not args.quick else "smollm2-135m"
@@ -389,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (length, caches) in models.items():
         retrieval = name == retrieval_model
-        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval, asked_cells))
+        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval, ask_cells))
         save(done=False)
     if asked:
         memory(memory_model, memory_caches, memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS,
