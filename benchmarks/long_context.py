@@ -51,6 +51,7 @@ import torch
 from paths import RESULTS, WIKITEXT_TEST, cache_bytes, fp16_bytes, reachable_bytes
 from transformers.cache_utils import DynamicCache
 
+from hf_deltakv.cli import split_specs
 from hf_deltakv.compare import write_json
 from hf_deltakv.models import load_model
 from hf_deltakv.registry import build_cache
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         name, cache_name, length, chunk, steps = args.memory_child.split(",")
         print(json.dumps(memory_child(name, cache_name, int(length), int(chunk), int(steps))))
         return 0
-    override = tuple(c for c in args.caches.split(",") if c) if args.caches else None
+    override = split_specs(args.caches) if args.caches else None  # "delta:values=q8_0,key_bits=5,kivi": two caches
     cap = args.max_tokens or max(BUCKETS)
     models = {m: (min(MODELS[m][0], cap), override or MODELS[m][1]) for m in args.models.split(",")}
     memory_lengths = tuple(n for n in (int(n) for n in args.memory_lengths.split(",")) if n <= cap) or (cap,)

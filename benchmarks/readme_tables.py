@@ -107,7 +107,7 @@ CURRENT = (
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
 DECODE_RUNS = {
     "decode_speed.json": "",
-    "decode_speed_residual.json": ", the residual cache after its kernel's AVX2 decoder",
+    "decode_speed_residual.json": ", the residual cache coding 16 tokens at a time while decoding (`CODE_BATCH`)",
     "decode_speed_8k.json": ", 8K prompts in bf16",
 }
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")

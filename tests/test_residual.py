@@ -15,6 +15,7 @@ from hf_deltakv.kernels import reference
 from hf_deltakv.quant.bitpack import BIT_DEPTHS, GROUP, dequantize_group, pack_bits, quantize_group, unpack_bits
 from hf_deltakv.residual import ResidualLayout, load_compressor, save_compressor
 from hf_deltakv.residual import attention as residual_attention
+from hf_deltakv.residual.layer import CODE_BATCH
 from hf_deltakv.residual.references import nearest_references
 from hf_deltakv.residual.train import TrainConfig, train_residual
 from hf_deltakv.residual.window import code_window
@@ -72,11 +73,18 @@ def test_coded_tokens_do_not_depend_on_later_tokens():
 def test_token_by_token_equals_one_shot():
     model = tiny_model("llama")
     compressor = tiny_compressor(model)
-    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(6))
-    whole = _feed(model, ids, ResidualKVCache(model=model, compressor=compressor))
     steps = ResidualKVCache(model=model, compressor=compressor)
-    for t in range(20):
+    # decoding codes CODE_BATCH tokens at a time: at this length both have coded the same tokens
+    total = steps.sink_tokens + steps.layout.window + 2 * CODE_BATCH
+    ids = torch.randint(3, 128, (1, total), generator=torch.Generator().manual_seed(6))
+    whole = _feed(model, ids, ResidualKVCache(model=model, compressor=compressor))
+    raw = []
+    for t in range(total):
         _feed(model, ids[:, t : t + 1], steps)
+        raw.append(steps.layers[0].window_keys.shape[2] if steps.layers[0].window_keys is not None else 0)
+    window = steps.layout.window
+    assert max(raw) == window + CODE_BATCH - 1 and raw[-1] == window  # tokens leave the window a batch at a time
+    assert steps.layers[0].compressed == whole.layers[0].compressed == 2 * CODE_BATCH
     assert whole.nbytes() <= steps.nbytes() <= 1.05 * whole.nbytes()  # appends keep room (1/32 of what is held)
     for a, b in zip(whole.layers[0].reconstruct(), steps.layers[0].reconstruct(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
