@@ -26,6 +26,8 @@ a long shared context).
         --out benchmarks/results/long_context_32k.json    # one cell beside DynamicCache, in its own file
     python benchmarks/long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --needles 20 \
         --ask-cells 16384 --no-memory --out benchmarks/results/long_context_16k_20.json   # 20 trials in one cell
+    python benchmarks/long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --draw 1 \
+        --ask-cells 16384 --no-memory --out benchmarks/results/long_context_16k_draw1.json   # 10 more trials
 
 Writes benchmarks/results/long_context.json.
 """
@@ -69,6 +71,7 @@ RETRIEVAL_MODEL = "qwen2.5-coder-0.5b"
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CELLS = (4096, 8192, 16384, 32768)
 NEEDLES_PER_CELL = 10
+DRAW = 0  # which draw of needles (`needles`); --draw
 MULTI_TURN_CELL = 8192
 ANSWER_TOKENS = 9  # " 1234567." and the end of the turn
 NOUNS = ("river", "lantern", "orchard", "comet", "harbor", "violin", "glacier", "meadow", "falcon", "quartz", "canyon",
@@ -76,10 +79,12 @@ NOUNS = ("river", "lantern", "orchard", "comet", "harbor", "violin", "glacier", 
 ADJECTIVES = ("silent", "amber", "hollow", "rapid", "velvet", "brisk", "lunar", "crimson", "gentle", "rustic")
 
 
-def needles(length: int, seed: int, taken: frozenset[str] = frozenset()) -> list[dict]:
+def needles(length: int, seed: int | str, taken: frozenset[str] = frozenset(), draw: int = 0) -> list[dict]:
     """Key-value needles at depths 5 %, 15 %, ..., 95 % of `length`: unique keys, 7-digit values. A key some shorter
-    length's needle already uses (`taken`) is drawn again, so no question has two answers in one document."""
-    rng = random.Random(seed)
+    length's needle already uses (`taken`) is drawn again, so no question has two answers in one document. Another
+    `draw` (> 0) draws other keys and values at the same depths: more trials of the same cells (draw 0: the fixed
+    document)."""
+    rng = random.Random(seed if not draw else f"{seed}/{draw}")
     every = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]
     keys = rng.sample(every, NEEDLES_PER_CELL)
     rows = [{"key": k, "value": str(rng.randrange(10**6, 10**7)), "depth": (i + 0.5) / NEEDLES_PER_CELL,
@@ -95,7 +100,7 @@ def document_needles(max_len: int) -> list[dict]:
     """Every needle of the cells a document of `max_len` tokens reaches, keys unique across them."""
     rows: list[dict] = []
     for cell in (c for c in CELLS if c <= max_len):
-        rows += needles(cell, cell, frozenset(n["key"] for n in rows))
+        rows += needles(cell, cell, frozenset(n["key"] for n in rows), DRAW)
     return rows
 
 
@@ -330,7 +335,7 @@ def kept(earlier: dict | None, config: dict, models: dict, asked: set) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    global CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL
+    global CELLS, MULTI_TURN_CELL, NEEDLES_PER_CELL, DRAW
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="SmolLM2 to 1K tokens, every part (the CI's version)")
     parser.add_argument("--models", default=",".join(MODELS))
@@ -344,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every model's document (and memory runs)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--needles", type=int, default=NEEDLES_PER_CELL, help="needles per cell (a new document)")
+    parser.add_argument("--draw", type=int, default=0, help="another draw of the needles (more trials; 0: fixed)")
     parser.add_argument("--ask-cells", default=None,
                         help="retrieval cells asked, e.g. 32768 (default: every one reached; multi-turn runs only if "
                              "its cell is asked)")  # fmt: skip
@@ -362,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     most = len(ADJECTIVES) * len(NOUNS) // len(CELLS)  # keys stay unique over every cell's needles
     if not 1 <= args.needles <= most:
         parser.error(f"--needles must be 1 to {most} (unique keys)")
-    NEEDLES_PER_CELL = args.needles
+    if args.draw < 0:
+        parser.error("--draw must be 0 (the fixed document) or more")
+    NEEDLES_PER_CELL, DRAW = args.needles, args.draw
     if args.quick:  # every part, small: ~1 min (two chunks, so eviction acts between them)
         models, memory_lengths = {"smollm2-135m": (1024, override or ("delta", "snapkv"))}, (1024,)
         memory_caches, args.chunk = ("dynamic", "delta"), 512
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     run = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:] if argv is None else argv,
            "models": list(models), "memory": sorted(f"{m} {c} @ {n}" for m, c, n in asked)}  # fmt: skip
-    config = {"specs": SPECS, "needles_per_cell": NEEDLES_PER_CELL, "text": "wikitext-2 test",
+    config = {"specs": SPECS, "needles_per_cell": NEEDLES_PER_CELL, "draw": DRAW, "text": "wikitext-2 test",
               "torch": torch.__version__, "python": platform.python_version(),
               "threads": torch.get_num_threads()}  # fmt: skip
     config, results, memory_rows = kept(earlier, config, models, asked)

@@ -76,6 +76,12 @@ RERUNS = {
         "benchmarks/results/long_context_16k.json`: the document carries the needles of the 4K, 8K and 16K cells "
         "(not the 32K cell's).",
     ),
+    "long_context_16k_draw1.json": (
+        "The 16K cell, another draw of needles",
+        "`long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --draw 1 --ask-cells 16384 "
+        "--no-memory --out benchmarks/results/long_context_16k_draw1.json`: other keys and values at the fixed "
+        "document's depths, 10 more trials of the 16K cell.",
+    ),
     "long_context_32k.json": (
         "The 32K cell on the fixed needle document",
         "`long_context.py --models qwen2.5-coder-0.5b --caches delta --ask-cells 32768 --no-memory --out "

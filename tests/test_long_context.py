@@ -81,15 +81,21 @@ class _BytesTokenizer:
         return "<user>" + messages[0]["content"] + "</user>" + ("<assistant>" if add_generation_prompt else "")
 
 
-@pytest.mark.parametrize("per_cell", [10, 20])  # the default, and --needles 20
-def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeypatch, per_cell):
+@pytest.mark.parametrize(("per_cell", "draw"), [(10, 0), (20, 0), (10, 1)])  # the default, --needles 20, --draw 1
+def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeypatch, per_cell, draw):
     """Each needle starts at its depth of its length in the document as built (needles before it included) and ends
-    inside that length, so every question's answer is in the context it is asked over, and once: no key repeats."""
+    inside that length, so every question's answer is in the context it is asked over, and once: no key repeats.
+    Another draw asks other keys and values at the same depths."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     long_context = importlib.import_module("long_context")
     monkeypatch.setattr(long_context, "NEEDLES_PER_CELL", per_cell)
     tokenizer = _BytesTokenizer()
+    fixed = long_context.build_document(tokenizer, 32768, True)[1]
+    monkeypatch.setattr(long_context, "DRAW", draw)
     ids, placed, prefix = long_context.build_document(tokenizer, 32768, True)
+    if draw:
+        assert [n["depth"] for n in placed] == [n["depth"] for n in fixed]
+        assert sum(a["key"] == b["key"] or a["value"] == b["value"] for a, b in zip(placed, fixed, strict=True)) < 5
     assert len(placed) == len(long_context.CELLS) * long_context.NEEDLES_PER_CELL
     assert len({n["key"] for n in placed}) == len(placed)
     ids = ids.tolist()
@@ -99,7 +105,7 @@ def test_needles_sit_at_their_depth_inside_their_length_with_keys_unique(monkeyp
         assert needle["position"] == max(int(needle["depth"] * needle["cell"]), prefix)
         assert needle["end"] <= needle["cell"]
     # the shortest length's needles are drawn as they always were (its keys were free)
-    assert [(n["key"], n["value"]) for n in long_context.needles(4096, 4096)] == [
+    assert [(n["key"], n["value"]) for n in long_context.needles(4096, 4096, draw=draw)] == [
         (n["key"], n["value"]) for n in placed if n["cell"] == 4096
     ]
 
