@@ -79,7 +79,7 @@ NOUNS = ("river", "lantern", "orchard", "comet", "harbor", "violin", "glacier", 
 ADJECTIVES = ("silent", "amber", "hollow", "rapid", "velvet", "brisk", "lunar", "crimson", "gentle", "rustic")
 
 
-def needles(length: int, seed: int | str, taken: frozenset[str] = frozenset(), draw: int = 0) -> list[dict]:
+def needles(length: int, seed: int, taken: frozenset[str] = frozenset(), draw: int = 0) -> list[dict]:
     """Key-value needles at depths 5 %, 15 %, ..., 95 % of `length`: unique keys, 7-digit values. A key some shorter
     length's needle already uses (`taken`) is drawn again, so no question has two answers in one document. Another
     `draw` (> 0) draws other keys and values at the same depths: more trials of the same cells (draw 0: the fixed
