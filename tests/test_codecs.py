@@ -167,7 +167,8 @@ def test_segmented_prefix_sum_reference():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec, allocate_bits, pair_energy  # noqa: E402
+from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec, allocate_bits  # noqa: E402
+from hf_deltakv.kernels.reference import pair_energy  # noqa: E402
 from hf_deltakv.quant.bitplanes import pack_planes, unpack_planes  # noqa: E402
 
 

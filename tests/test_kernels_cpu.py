@@ -68,6 +68,40 @@ def test_code_delta_kernel_is_byte_identical(seed, fmt, intra, spread):
     assert torch.equal(got_recon, want_recon)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(FORMATS), st.booleans(), st.integers(0, 5))
+def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, search, at):
+    """A decoded token per head quantized in place into storage with room (strided rows), the bytes of `quantize`; the
+    rows around it untouched."""
+    search = search and fmt in ("q4_0", "q4_0_16")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 1, 64, generator=g) * torch.rand(2, 3, 1, 1, generator=g) * 10
+    x[0, 1, 0, :5] = torch.tensor([0.0, -0.0, 1e-30, 6e4, -7e4])  # zeros, a subnormal, values past fp16's range
+    want = kernels.reference.quantize(x, fmt, search)
+    storage = want.map(lambda t: torch.full((2, 3, 6, *t.shape[3:]), 7, dtype=t.dtype))
+    kernels.quantize_at(x, fmt, search, storage, at)
+    _same_bytes(storage.map(lambda t: t[:, :, at : at + 1]), want)
+    untouched = [r for r in range(6) if r != at]
+    for t in storage.tensors():
+        assert torch.equal(t[:, :, untouched], torch.full_like(t[:, :, untouched], 7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.integers(1, 5), st.sampled_from([0, 5, 70_000, 2**31 - 9]))
+def test_undo_rope_kernel_is_the_reference(seed, reorder, n, start):
+    """Keys turned back by their RoPE in the C++ kernel: the reference's floats exactly (its operations, in its order),
+    with a channel order, several tokens and batch rows at other positions, large positions included."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, n, 64, generator=g) * 30
+    positions = torch.arange(start, start + n, dtype=torch.int32).repeat(2, 1)
+    positions[1] += torch.randint(0, 1000, (1,), generator=g).to(torch.int32)
+    freqs = 10000.0 ** (-torch.arange(32, dtype=torch.float64) / 32)
+    freqs[-3:] = 0.0  # pairs RoPE leaves alone
+    order = torch.randperm(64, generator=g) if reorder else None
+    got = kernels.undo_rope(keys, positions, freqs, order)
+    assert torch.equal(got, kernels.reference.undo_rope(keys, positions, freqs, order))
+
+
 def test_forced_reference_skips_the_encode_kernels(monkeypatch):
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
     monkeypatch.setattr("hf_deltakv.kernels.cpu.encode.quantize", None)  # would raise if called
@@ -93,3 +127,42 @@ def test_bit_planes_kernels_match_the_reference(group, dim, seed):
     want = decode_groups(planes, pack_4bit(depths), low, step)
     got = extension().decode_planes(*(t.flatten(0, 1) for t in (planes, pack_4bit(depths), low, step)))
     assert torch.equal(got.view_as(want), want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 8, 64, 256]), st.floats(1.0, 8.0), st.floats(1e-3, 1e6))
+def test_allocate_depths_kernel_gives_the_reference_depths(seed, dim, bits, spread):
+    """The adaptive keys' bit allocation in C++: the reference's depths exactly (the bisection's sums are exact in
+    float64; ties go to the lower channel), for budgets from the lowest depths to the highest."""
+    from hf_deltakv.codecs.adaptive import MAX_BITS
+
+    g = torch.Generator().manual_seed(seed)
+    level = (torch.rand(5, dim, generator=g) * spread).log2() * 0.5
+    level[0] = 0.0  # every channel alike: the sum jumps at one level, the leftover bits go by channel order
+    level[1, : dim // 2] = level[1, dim // 2 :]  # pairs of equal levels (RoPE pairs share their query weight)
+    total = max(dim, min(MAX_BITS * dim, round(bits * dim)))
+    want = kernels.reference.allocate_depths(level, total, MAX_BITS)
+    assert torch.equal(want.sum(-1, dtype=torch.int64), torch.full((5,), total))
+    assert torch.equal(kernels.allocate_depths(level, total, MAX_BITS), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([(9, 3), (14, 2), (4, 1), (8, 8), (16, 2), (40, 2)]),
+    st.integers(1, 4),
+    st.booleans(),
+    st.booleans(),
+)
+def test_query_energy_kernel_is_the_reference(seed, heads, rows, one_position, reorder):
+    """The queries' channel energies per kv head in C++: the reference's floats exactly, for GQA groups of 1 to 20
+    heads, several rows (positions, or packed heads of one position) and a channel order."""
+    q_heads, kv_heads = heads
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(2, q_heads, rows, 64, generator=g) * torch.rand(2, q_heads, rows, 1, generator=g) * 20
+    order = torch.randperm(64, generator=g) if reorder else None
+    want = kernels.reference.query_energy(query, order, kv_heads, one_position)
+    assert torch.equal(kernels.query_energy(query, order, kv_heads, one_position), want)
+    bf16 = query.bfloat16()
+    assert torch.equal(kernels.query_energy(bf16, order, kv_heads, one_position),
+                       kernels.reference.query_energy(bf16, order, kv_heads, one_position))  # fmt: skip

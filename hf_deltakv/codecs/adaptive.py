@@ -47,25 +47,7 @@ def allocate_bits(score: torch.Tensor, total: int) -> torch.Tensor:
     level = torch.where(finite, score, torch.ones_like(score)).log2() * 0.5
     lowest = level.masked_fill(~finite, float("inf")).amin(-1, keepdim=True).clamp(max=0) - 2 * MAX_BITS
     level = torch.where(finite, level, lowest.expand_as(level))
-    below = torch.full_like(level[..., :1], -4.0 * MAX_BITS) - level.amax(-1, keepdim=True)
-    above = torch.full_like(below, 4.0 * MAX_BITS) - level.amin(-1, keepdim=True)
-    for _ in range(40):  # the water level w with sum(clamp(level + w, 1, 8)) == total
-        middle = (below + above) / 2
-        spent = (level + middle).clamp(1, MAX_BITS).sum(-1, keepdim=True)
-        below, above = torch.where(spent < total, middle, below), torch.where(spent < total, above, middle)
-    depth = (level + above).clamp(1, MAX_BITS)
-    base = depth.floor()
-    left = (total - base.sum(-1, keepdim=True)).clamp(min=0)
-    fraction = (depth - base).masked_fill(base >= MAX_BITS, -1.0)
-    order = torch.sort(fraction, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(dim, device=score.device).expand_as(order))
-    bits = base + (rank < left).to(base.dtype)
-    excess = bits.sum(-1, keepdim=True) - total  # float edge cases: take bits back from the largest depths
-    if (excess > 0).any():
-        order = torch.sort(bits, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(dim, device=score.device).expand_as(order))
-        bits = bits - (rank < excess.clamp(min=0)).to(bits.dtype)
-    return bits.to(torch.uint8)
+    return kernels.allocate_depths(level, total, MAX_BITS)
 
 
 # Fractions of a channel's range given up at its low and high ends, tried in every pair: each channel of a group keeps
@@ -103,15 +85,6 @@ def _codes(x: torch.Tensor, low: torch.Tensor, step: torch.Tensor, top: torch.Te
     return torch.minimum(codes, top, out=codes)
 
 
-def pair_energy(query: torch.Tensor) -> torch.Tensor:
-    """Squared queries `[..., D]` averaged over each RoPE pair (channels c and c + D/2): a rotation keeps a pair's
-    energy, so the mean is the same before and after RoPE."""
-    energy = query.float().pow(2)
-    half = energy.shape[-1] // 2
-    pair = (energy[..., :half] + energy[..., half:]) / 2
-    return torch.cat([pair, pair], dim=-1)
-
-
 class AdaptiveChannelCodec(StreamCodec):
     """Groups of tokens coded per channel at query-weighted bit depths.
 
@@ -142,6 +115,10 @@ class AdaptiveChannelCodec(StreamCodec):
         self.energy = None
         self.observed = 0
         self.before_group: dict[int, tuple[torch.Tensor, int]] = {}
+
+    @property
+    def observes_queries(self) -> bool:
+        return self.query_weights
 
     def state_names(self) -> tuple[str, ...]:
         return ("planes", "depths", "low", "step", "tail", "energy")

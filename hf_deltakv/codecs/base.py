@@ -33,6 +33,8 @@ class StreamCodec(ABC):
     def layout(self) -> kernels.StreamLayout:
         """The packed storage as the ops read it (only once something is stored)."""
 
+    observes_queries = False  # whether `observe` uses the queries (the layer computes their energies only then)
+
     def observe(self, energy: torch.Tensor, first: int) -> None:  # noqa: B027 - a hook most codecs leave empty
         """Queries' channel energies `[batch, heads, n, dim]` at absolute positions `first...` (see `adaptive`); most
         codecs ignore them."""
@@ -88,6 +90,20 @@ class StreamCodec(ABC):
             rows.reset(getattr(self, name))
         setattr(self, name, rows.append(new))
 
+    def _room(self, name: str, add: int) -> tuple[State, int] | None:
+        """The buffer behind state attribute `name` and the sequence row where `add` new rows go, when it already has
+        room for them past the rows stored (None: append through `_append_rows`). Write the rows, then
+        `_commit_rows`."""
+        rows = self.__dict__.get("_growing", {}).get(name)
+        if rows is None or rows.buffer is None or rows.view is None or rows.view is not getattr(self, name):
+            return None
+        have = _rows(rows.view)
+        return (rows.buffer, have) if _rows(rows.buffer) >= have + add else None
+
+    def _commit_rows(self, name: str, add: int) -> None:
+        """State attribute `name` covers the `add` rows written into its buffer past it (`_room`)."""
+        setattr(self, name, self._growing[name].extend(add))
+
     def _release_rows(self) -> None:
         """After state attributes were replaced (not appended to): let go of the buffers behind the old views, so that
         nothing is held that `nbytes` does not count."""
@@ -125,6 +141,12 @@ class GrowingRows:
                 _copy(grown, self.view, 0)
             self.buffer = grown
         _copy(self.buffer, new, have)
+        self.view = _map(self.buffer, lambda t: t[:, :, : have + add])
+        return self.view
+
+    def extend(self, add: int) -> State:
+        """The view grown over `add` rows already written into the buffer past it."""
+        have = _rows(self.view)
         self.view = _map(self.buffer, lambda t: t[:, :, : have + add])
         return self.view
 

@@ -29,9 +29,14 @@ class PlainCodec(StreamCodec):
         return ("stored",)
 
     def append(self, x: torch.Tensor) -> None:
-        # One decoded token: the dispatched kernel (same bytes); a prefill: the vectorised reference.
-        coded = kernels.quantize(x, self.fmt, self.search_scale)
-        self._append_rows("stored", coded)
+        # A decoded token goes straight into the room of the stored rows (the dispatched kernel, same bytes); a
+        # prefill, or a full buffer, through a new quantized tensor.
+        room = self._room("stored", x.shape[2]) if x.shape[2] == 1 else None
+        if room is not None:
+            kernels.quantize_at(x, self.fmt, self.search_scale, *room)
+            self._commit_rows("stored", x.shape[2])
+        else:
+            self._append_rows("stored", kernels.quantize(x, self.fmt, self.search_scale))
         self.length += x.shape[2]
 
     def droppable(self, tokens: int) -> int:

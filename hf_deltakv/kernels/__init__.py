@@ -39,6 +39,7 @@ __all__ = [
     "SnapshotSchedule",
     "StreamKind",
     "StreamLayout",
+    "allocate_depths",
     "code_delta",
     "decode_stream",
     "delta_encode_groups",
@@ -46,12 +47,15 @@ __all__ = [
     "latent_attention",
     "pack_planes",
     "quantize",
+    "quantize_at",
     "quantize_latent",
+    "query_energy",
     "reference",
     "sparse_matvec",
     "sparse_matvec_kernel",
     "stream_attention",
     "triton_available",
+    "undo_rope",
     "use_triton",
 ]
 
@@ -134,6 +138,53 @@ def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> Quantized
 
         return kernel(x, fmt, compiled, search_scale)
     return reference.quantize(x, fmt, search_scale)
+
+
+def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int) -> None:
+    """`reference.quantize_at` (new tokens quantized into growing storage, in place), dispatched: one token per head
+    is written by the C++ kernel on the CPU (the bytes of `quantize`, tested), anything else by the reference."""
+    compiled = _cpu_extension(x.device) if x.shape[2] == 1 and _encodes(fmt, x.shape[-1]) else None
+    if compiled is None or x.dtype != torch.float32:
+        return reference.quantize_at(x, fmt, search_scale, target, at)
+    from .cpu.encode import quantize_at as kernel
+
+    kernel(x, fmt, search_scale, target, at, compiled)
+
+
+def undo_rope(
+    keys: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, order: torch.Tensor | None
+) -> torch.Tensor:
+    """`reference.undo_rope` (keys turned back to before RoPE), dispatched: fp32 keys on the CPU by the C++ kernel (the
+    same single-precision operations), anything else by the reference."""
+    compiled = _cpu_extension(keys.device) if keys.dtype == torch.float32 else None
+    if compiled is None:
+        return reference.undo_rope(keys, positions, freqs, order)
+    empty = keys.new_empty(0, dtype=torch.long)
+    return compiled.undo_rope(keys, positions, freqs.to(torch.float64), empty if order is None else order)
+
+
+def query_energy(query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, one_position: bool) -> torch.Tensor:
+    """`reference.query_energy` (the queries' channel energies the adaptive keys place bits by), dispatched: the C++
+    kernel on the CPU (the same fp32 operations in the same order, tested), the reference otherwise."""
+    compiled = _cpu_extension(query.device)
+    if compiled is None:
+        return reference.query_energy(query, order, kv_heads, one_position)
+    batch, heads, rows, dim = query.shape
+    groups = heads // kv_heads * (rows if one_position else 1)  # rows averaged into each output row
+    grouped = query.float().reshape(batch, kv_heads, groups, 1 if one_position else rows, dim).contiguous()
+    empty = query.new_empty(0, dtype=torch.long)
+    return compiled.query_energy(grouped, empty if order is None else order)
+
+
+def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:
+    """`reference.allocate_depths` (the adaptive keys' bit allocation), dispatched: the C++ kernel on the CPU (the same
+    steps, exact sums, the same depths; tested), the reference otherwise."""
+    compiled = _cpu_extension(level.device) if level.dtype == torch.float32 else None
+    if compiled is None:
+        return reference.allocate_depths(level, total, most)
+    flat = compiled.allocate_depths(level.reshape(-1, level.shape[-1]).contiguous(), total, most,
+                                    reference.WATER_LEVEL_STEPS)  # fmt: skip
+    return flat.view(level.shape)
 
 
 def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:

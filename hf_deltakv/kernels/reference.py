@@ -10,7 +10,7 @@ import torch
 
 from ..quant import QuantizedTensor, dequantize, get_format, quantize, unpack_4bit
 from ..quant.bitplanes import unpack_planes
-from ..rope import rotate_pairs
+from ..rope import RopeForm, rotate_pairs
 from .hadamard import rotate
 from .layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
 from .online_softmax import CHUNK_TOKENS, OnlineSoftmax
@@ -145,6 +145,78 @@ def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -
 
 
 # --- decoding stored streams --------------------------------------------------------------------------------------
+
+
+def undo_rope(
+    keys: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, order: torch.Tensor | None
+) -> torch.Tensor:
+    """Keys after RoPE `[batch, heads, n, D]` (the model's channel order) at `positions` `[batch, n]`, turned back to
+    before it in the canonical order (`hf_deltakv.rope.RopeForm.undo`, fp32)."""
+    return RopeForm(freqs, order).undo(keys, positions)
+
+
+def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int) -> None:
+    """`quantize(x, fmt, search_scale)` of new tokens `[batch, heads, n, dim]` written into `target`'s sequence rows
+    `at:at + n` (storage with room, `[batch, heads, rows, ...]`)."""
+    coded = quantize(x, fmt, search_scale)
+    for stored, new in zip(target.tensors(), coded.tensors(), strict=True):
+        stored[:, :, at : at + new.shape[2]] = new
+
+
+def pair_energy(query: torch.Tensor) -> torch.Tensor:
+    """Squared queries `[..., D]` averaged over each RoPE pair (channels c and c + D/2): a rotation keeps a pair's
+    energy, so the mean is the same before and after RoPE."""
+    energy = query.float().pow(2)
+    half = energy.shape[-1] // 2
+    pair = (energy[..., :half] + energy[..., half:]) / 2
+    return torch.cat([pair, pair], dim=-1)
+
+
+def query_energy(query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, one_position: bool) -> torch.Tensor:
+    """What the adaptive keys weigh their channels by (`codecs.adaptive`): the queries' pair energies (canonical channel
+    order: `order`, None: as given) averaged over the query heads of each kv head, fp32 `[batch, kv_heads, n, D]`.
+
+    `query` `[batch, q_heads, rows, D]`; `one_position`: every row is a query head of the newest position (transformers
+    packs a decoded token's GQA heads as rows), averaged into one row (`n` = 1), else row `i` is position `i`."""
+    energy = pair_energy(query if order is None else query[..., order.to(query.device)])
+    batch, _, rows, dim = energy.shape
+    grouped = energy.reshape(batch, kv_heads, -1, 1 if one_position else rows, dim)
+    total = grouped[:, :, 0]
+    for m in range(1, grouped.shape[2]):  # added in order (a mean's sum in any other order rounds otherwise)
+        total = total + grouped[:, :, m]
+    return total / grouped.shape[2]
+
+
+WATER_LEVEL_STEPS = 40  # bisection steps of `allocate_depths` (the kernels take it from here)
+
+
+def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:
+    """Integer depths `uint8 [..., D]` in `1..most` summing to `total` per row, about `level + w` (reverse
+    water-filling, `codecs.adaptive.allocate_bits`; `level` fp32 `[..., D]`, finite).
+
+    The water level `w` is bisected to where `sum(clamp(level + w, 1, most))` reaches `total`, each sum taken in
+    float64, where fp32 values in `[1, most]` add up exactly in any order (so every implementation takes the same
+    steps); the bits left over go to the largest fractional depths (the lower channel first on ties)."""
+    dim = level.shape[-1]
+    below = torch.full_like(level[..., :1], -4.0 * most) - level.amax(-1, keepdim=True)
+    above = torch.full_like(below, 4.0 * most) - level.amin(-1, keepdim=True)
+    for _ in range(WATER_LEVEL_STEPS):
+        middle = (below + above) / 2
+        short = (level + middle).clamp(1, most).double().sum(-1, keepdim=True) < total
+        below, above = torch.where(short, middle, below), torch.where(short, above, middle)
+    depth = (level + above).clamp(1, most)
+    base = depth.floor()
+    left = (total - base.sum(-1, keepdim=True)).clamp(min=0)
+    fraction = (depth - base).masked_fill(base >= most, -1.0)
+    order = torch.sort(fraction, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(dim, device=level.device).expand_as(order))
+    bits = base + (rank < left).to(base.dtype)
+    excess = bits.sum(-1, keepdim=True) - total  # float edge cases: take bits back from the largest depths
+    if (excess > 0).any():
+        order = torch.sort(bits, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(dim, device=level.device).expand_as(order))
+        bits = bits - (rank < excess.clamp(min=0)).to(bits.dtype)
+    return bits.to(torch.uint8)
 
 
 def check_range(start: int, end: int, length: int) -> None:

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import kernels
-from ..codecs.adaptive import pair_energy
 from ..codecs.base import StreamCodec
 from ..kernels.online_softmax import CHUNK_TOKENS
 from ..rope import RopeForm
@@ -50,7 +49,8 @@ class CompressedLayer(StreamLayer):
     def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
         keys = keys.float()
         if self.rope is not None:
-            keys = self.rope.undo(keys, self.positions.ids[:, begin : begin + keys.shape[2]])
+            positions = self.positions.ids[:, begin : begin + keys.shape[2]]
+            keys = kernels.undo_rope(keys, positions, self.rope.freqs, self.rope.order)
         self.key_codec.append(keys)
         self.value_codec.append(values.float())
 
@@ -67,12 +67,10 @@ class CompressedLayer(StreamLayer):
         return keys, self.value_codec.decode()
 
     def _observe_queries(self, query: torch.Tensor, positions: int) -> None:
-        energy = pair_energy(self.rope.to_canonical(query) if self.rope is not None else query)  # [B, H, rows, D]
-        batch, heads, rows, dim = energy.shape
-        if positions == 1:  # every row is a query head of the newest position
-            energy = energy.reshape(batch, self.kv_heads, -1, dim).mean(2, keepdim=True)
-        else:
-            energy = energy.view(batch, self.kv_heads, heads // self.kv_heads, rows, dim).mean(2)
+        if not self.key_codec.observes_queries:
+            return
+        order = self.rope.order if self.rope is not None else None
+        energy = kernels.query_energy(query, order, self.kv_heads, positions == 1)
         self.key_codec.observe(energy, self.cumulative_length - positions)
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

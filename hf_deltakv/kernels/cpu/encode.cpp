@@ -11,6 +11,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -165,6 +166,82 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
   return out;
 }
 
+// quantize_rows of one token per (batch, head), written in place at sequence row `at` of growing storage: x fp32
+// [B, H, dim] (rows contiguous); codes uint8 [B, H, rows, blocks, bytes], scales (and mins, or empty) fp16
+// [B, H, rows, blocks], each with its blocks contiguous (any strides on the leading dimensions).
+void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
+                      at::Tensor scales, at::Tensor mins, int64_t at) {
+  const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), n_blocks = dim / bs;
+  const int64_t bytes = format == Q8 ? bs : bs / 2;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be fp32 [B, H, dim] with rows contiguous");
+  TORCH_CHECK(codes.dim() == 5 && codes.size(0) == batch && codes.size(1) == heads && codes.size(3) == n_blocks &&
+                  codes.size(4) == bytes && codes.stride(4) == 1 && codes.stride(3) == bytes,
+              "codes must be uint8 [B, H, rows, blocks, bytes] with blocks contiguous");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(3) == n_blocks && scales.stride(3) == 1, "scales of another shape");
+  const bool asym = format == Q4_ASYM;
+  TORCH_CHECK(!asym || (mins.dim() == 4 && mins.size(3) == n_blocks && mins.stride(3) == 1), "mins of another shape");
+  TORCH_CHECK(0 <= at && at < codes.size(2) && at < scales.size(2), "row ", at, " outside the storage");
+  const float* px = x.data_ptr<float>();
+  uint8_t* pc = codes.data_ptr<uint8_t>();
+  at::Half* ps = scales.data_ptr<at::Half>();
+  at::Half* pm = asym ? mins.data_ptr<at::Half>() : nullptr;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = px + b * x.stride(0) + h * x.stride(1);
+      uint8_t* c = pc + b * codes.stride(0) + h * codes.stride(1) + at * codes.stride(2);
+      at::Half* s = ps + b * scales.stride(0) + h * scales.stride(1) + at * scales.stride(2);
+      at::Half* m = pm ? pm + b * mins.stride(0) + h * mins.stride(1) + at * mins.stride(2) : nullptr;
+      for (int64_t k = 0; k < n_blocks; ++k) {
+        if (!divisors.empty() && format == Q4_SYM)
+          quantize_block_searched(row + k * bs, bs, divisors, c + k * bytes, s + k);
+        else
+          quantize_block(row + k * bs, bs, format, c + k * bytes, s + k, m ? m + k : nullptr);
+      }
+    }
+}
+
+// Keys after RoPE turned back to before it (hf_deltakv.rope.RopeForm.undo, the same IEEE single-precision operations
+// in its order): keys fp32 [B, H, n, D] in the model's channel order, positions int64 [B, n], freqs float64 [D / 2],
+// order int64 [D] (canonical channel c is the model's order[c]) or empty. Returns the canonical keys, fp32.
+at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at::Tensor order) {
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 4, "keys must be fp32 [B, H, n, D]");
+  keys = keys.contiguous(), positions = positions.to(at::kLong).contiguous(), freqs = freqs.contiguous();
+  const int64_t batch = keys.size(0), heads = keys.size(1), n = keys.size(2), dim = keys.size(3), half = dim / 2;
+  TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.numel() == half && dim % 2 == 0, "freqs must be f64 [D/2]");
+  TORCH_CHECK(positions.dim() == 2 && positions.size(0) == batch && positions.size(1) == n, "positions [B, n]");
+  const bool reorder = order.numel() > 0;
+  if (reorder) {
+    order = order.to(at::kLong).contiguous();
+    TORCH_CHECK(order.numel() == dim, "order must be int64 [D]");
+  }
+  auto out = at::empty_like(keys);
+  const float* pk = keys.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const double* pf = freqs.data_ptr<double>();
+  const int64_t* po = reorder ? order.data_ptr<int64_t>() : nullptr;
+  float* pout = out.data_ptr<float>();
+  std::vector<float> cosv(half), sinv(half);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < n; ++t) {
+      const double p = static_cast<double>(pp[b * n + t]);
+      for (int64_t c = 0; c < half; ++c) {
+        const double angle = p * pf[c];
+        cosv[c] = static_cast<float>(std::cos(angle)), sinv[c] = -static_cast<float>(std::sin(angle));
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* k = pk + ((b * heads + h) * n + t) * dim;
+        float* o = pout + ((b * heads + h) * n + t) * dim;
+        for (int64_t c = 0; c < half; ++c) {
+          const float lo = k[po ? po[c] : c], hi = k[po ? po[c + half] : c + half];
+          const float a = lo * cosv[c], bb = hi * sinv[c], e = hi * cosv[c], f = lo * sinv[c];
+          o[c] = a - bb;
+          o[c + half] = e + f;
+        }
+      }
+    }
+  return out;
+}
+
 // One closed-loop step for rows of x (fp32 [rows, dim]): code x - base, and with `intra` per block the better of that
 // and x - long_term (flag in the scale's lowest bit). Returns {codes, scales, mins or empty, reconstruction}.
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
@@ -226,6 +303,88 @@ std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tenso
       for (int64_t j = 0; j < bs; ++j) pr[o + j] = ref[o + j] + values[j];
     }
   return {out[0], out[1], out[2], recon};
+}
+
+// The queries' pair energies averaged over a group (kernels/reference.py: query_energy, the same fp32 operations in
+// its order): query fp32 [B, K, M, R, D] contiguous, order int64 [D] (canonical channel c is order[c]) or empty.
+// Returns fp32 [B, K, R, D]: for each of the R rows, the mean over the M rows of (x_c^2 + x_{c+D/2}^2) / 2, both halves.
+at::Tensor query_energy(at::Tensor query, at::Tensor order) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
+              "query must be fp32 [B, K, M, R, D], contiguous");
+  const int64_t outer = query.size(0) * query.size(1), groups = query.size(2), rows = query.size(3);
+  const int64_t dim = query.size(4), half = dim / 2;
+  const bool reorder = order.numel() > 0;
+  if (reorder) order = order.to(at::kLong).contiguous();
+  TORCH_CHECK(!reorder || order.numel() == dim, "order must be int64 [D]");
+  auto out = at::empty({query.size(0), query.size(1), rows, dim}, query.options());
+  const float* pq = query.data_ptr<float>();
+  const int64_t* po = reorder ? order.data_ptr<int64_t>() : nullptr;
+  float* pout = out.data_ptr<float>();
+  const float count = static_cast<float>(groups);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = pout + (o * rows + r) * dim;
+      for (int64_t c = 0; c < half; ++c) {
+        const int64_t lo = po ? po[c] : c, hi = po ? po[c + half] : c + half;
+        float sum = 0.f;
+        for (int64_t m = 0; m < groups; ++m) {
+          const float* x = pq + ((o * groups + m) * rows + r) * dim;
+          const float a = x[lo] * x[lo], b = x[hi] * x[hi];
+          const float pair = (a + b) / 2.0f;
+          sum = m == 0 ? pair : sum + pair;
+        }
+        dst[c] = dst[c + half] = sum / count;
+      }
+    }
+  return out;
+}
+
+// Integer depths by reverse water-filling (kernels/reference.py: allocate_depths, the same fp32 steps; each sum of the
+// bisection in float64, exact in any order): level fp32 [N, D] (finite). Returns uint8 [N, D], rows summing to total.
+at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_t steps) {
+  TORCH_CHECK(level.scalar_type() == at::kFloat && level.dim() == 2 && level.is_contiguous(), "level fp32 [N, D]");
+  const int64_t n = level.size(0), dim = level.size(1);
+  auto out = at::empty({n, dim}, level.options().dtype(at::kByte));
+  const float* pl = level.data_ptr<float>();
+  uint8_t* po = out.data_ptr<uint8_t>();
+  const float top = static_cast<float>(most);
+  const double want = static_cast<double>(total);
+  std::vector<float> base(dim), fraction(dim), bits(dim);
+  std::vector<int64_t> order(dim);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = pl + r * dim;
+    float high = row[0], low = row[0];
+    for (int64_t c = 1; c < dim; ++c) high = std::max(high, row[c]), low = std::min(low, row[c]);
+    float lo = -4.0f * top - high, hi = 4.0f * top - low;
+    for (int64_t s = 0; s < steps; ++s) {
+      const float middle = (lo + hi) / 2.0f;
+      double spent = 0.0;
+      for (int64_t c = 0; c < dim; ++c) spent += static_cast<double>(std::min(std::max(row[c] + middle, 1.0f), top));
+      if (spent < want) lo = middle;
+      else hi = middle;
+    }
+    float floors = 0.f;  // integers: exact in any order
+    for (int64_t c = 0; c < dim; ++c) {
+      const float depth = std::min(std::max(row[c] + hi, 1.0f), top);
+      base[c] = std::floor(depth);
+      fraction[c] = base[c] >= top ? -1.0f : depth - base[c];
+      floors += base[c];
+    }
+    const float left = std::max(static_cast<float>(total) - floors, 0.0f);
+    for (int64_t c = 0; c < dim; ++c) order[c] = c;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return fraction[a] > fraction[b]; });
+    float spent = 0.f;
+    for (int64_t k = 0; k < dim; ++k) bits[order[k]] = base[order[k]] + (static_cast<float>(k) < left ? 1.f : 0.f);
+    for (int64_t c = 0; c < dim; ++c) spent += bits[c];
+    const float excess = spent - static_cast<float>(total);  // float edge cases: take bits back from the largest
+    if (excess > 0.f) {
+      for (int64_t c = 0; c < dim; ++c) order[c] = c;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return bits[a] > bits[b]; });
+      for (int64_t k = 0; k < dim; ++k) bits[order[k]] -= static_cast<float>(k) < excess ? 1.f : 0.f;
+    }
+    for (int64_t c = 0; c < dim; ++c) po[r * dim + c] = static_cast<uint8_t>(bits[c]);
+  }
+  return out;
 }
 
 // Bit planes of per-channel codes (quant/bitplanes.py: pack_planes). codes uint8 [N, G, D] (G a multiple of 8),

@@ -8,6 +8,8 @@ import torch
 from ...quant import QuantizedTensor, get_format
 from ...quant.blocks import SCALE_SEARCH
 
+SEARCH_DIVISORS = [float(d) for d in SCALE_SEARCH[8]]  # q4_0's scale search (quant.quantize), as the kernel takes it
+
 
 def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> QuantizedTensor:
     n_blocks = codes.shape[1]
@@ -23,11 +25,21 @@ def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> Quanti
 def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -> QuantizedTensor:
     """`quant.quantize(x, fmt, search_scale)` for fp32 `x [..., dim]`."""
     dim = x.shape[-1]
-    divisors = list(SCALE_SEARCH[8]) if search_scale else []
+    divisors = SEARCH_DIVISORS if search_scale else []
     codes, scales, mins = extension.quantize_rows(
         x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size, divisors
     )
     return _packed(fmt, x.shape[:-1], dim, codes, scales, mins)
+
+
+def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, extension) -> None:
+    """`reference.quantize_at` for one fp32 token per head, `x [batch, heads, 1, dim]`."""
+    kind, block = int(get_format(fmt).kind), get_format(fmt).block_size
+    empty = target.codes.new_empty(0, dtype=torch.float16)
+    extension.quantize_rows_at(
+        x[:, :, 0], kind, block, SEARCH_DIVISORS if search_scale else [], target.codes, target.scales,
+        empty if target.mins is None else target.mins, at,
+    )  # fmt: skip
 
 
 def code_delta(

@@ -14,9 +14,14 @@ at::Tensor stream_attention(at::Tensor query, at::Tensor sink_k, at::Tensor sink
                                py::object value_layout, at::Tensor positions, at::Tensor freqs, at::Tensor mask,
                                int64_t n_queries, int64_t causal_offset, double scale, int64_t split);
 std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
+void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
+                      at::Tensor scales, at::Tensor mins, int64_t at);
+at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at::Tensor order);
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra);
 
+at::Tensor query_energy(at::Tensor query, at::Tensor order);
+at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_t steps);
 at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes);
 at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step);
 
@@ -33,6 +38,8 @@ std::tuple<at::Tensor, int64_t> sparse_matvec(at::Tensor x, at::Tensor wt, at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_matvec", &sparse_matvec, "decode linear reading only kept input rows (weight skip)");
+  m.def("query_energy", &query_energy, "the queries' pair energies averaged over the heads of a kv head");
+  m.def("allocate_depths", &allocate_depths, "the adaptive keys' depths by reverse water-filling");
   m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (quant/bitplanes.py)");
   m.def("decode_planes", &decode_planes, "decoded values of whole adaptive groups (reference.decode_adaptive)");
   m.def("dequantize_latent", &dequantize_latent, "the residual cache's packed latent groups to fp32 or bf16");
@@ -41,5 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("latent_attention", &latent_attention, "softmax statistics over residual-coded tokens, values latent");
   m.def("stream_attention", &stream_attention, "decode attention over packed codec storage");
   m.def("quantize_rows", &quantize_rows, "block quantization of rows (q4_0, q4_1, q8_0 families)");
+  m.def("quantize_rows_at", &quantize_rows_at, "quantize_rows of one token per head, in place in growing storage");
+  m.def("undo_rope", &undo_rope, "keys after RoPE turned back to before it (rope.RopeForm.undo)");
   m.def("code_delta_rows", &code_delta_rows, "one closed-loop delta step (inter/intra per block)");
 }
