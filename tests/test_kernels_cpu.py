@@ -81,6 +81,9 @@ def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, searc
     storage = want.map(lambda t: torch.full((2, 3, 6, *t.shape[3:]), 7, dtype=t.dtype))
     kernels.quantize_at(x, fmt, search, storage, at)
     _same_bytes(storage.map(lambda t: t[:, :, at : at + 1]), want)
+    strided = want.map(lambda t: torch.zeros(2, 3, 2, *t.shape[3:], dtype=t.dtype))
+    kernels.quantize_at(x.transpose(-1, 0).contiguous().transpose(-1, 0), fmt, search, strided, 1)  # rows strided
+    _same_bytes(strided.map(lambda t: t[:, :, 1:]), want)
     untouched = [r for r in range(6) if r != at]
     for t in storage.tensors():
         assert torch.equal(t[:, :, untouched], torch.full_like(t[:, :, untouched], 7))

@@ -144,7 +144,7 @@ def segmented_prefix_sum(values: torch.Tensor, resets: torch.Tensor, dim: int) -
     return total - (total.gather(dim, last_reset) - values.gather(dim, last_reset))
 
 
-# --- decoding stored streams --------------------------------------------------------------------------------------
+# --- a decoded token's bookkeeping: RoPE undone, a value stored in place, the adaptive keys' bit placement -----
 
 
 def undo_rope(
@@ -217,6 +217,9 @@ def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(dim, device=level.device).expand_as(order))
         bits = bits - (rank < excess.clamp(min=0)).to(bits.dtype)
     return bits.to(torch.uint8)
+
+
+# --- decoding stored streams --------------------------------------------------------------------------------------
 
 
 def check_range(start: int, end: int, length: int) -> None:

@@ -36,8 +36,9 @@ def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: Quantized
     """`reference.quantize_at` for one fp32 token per head, `x [batch, heads, 1, dim]`."""
     kind, block = int(get_format(fmt).kind), get_format(fmt).block_size
     empty = target.codes.new_empty(0, dtype=torch.float16)
+    rows = x[:, :, 0] if x.stride(-1) == 1 else x[:, :, 0].contiguous()  # the kernel reads each row contiguous
     extension.quantize_rows_at(
-        x[:, :, 0], kind, block, SEARCH_DIVISORS if search_scale else [], target.codes, target.scales,
+        rows, kind, block, SEARCH_DIVISORS if search_scale else [], target.codes, target.scales,
         empty if target.mins is None else target.mins, at,
     )  # fmt: skip
 
