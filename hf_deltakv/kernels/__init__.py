@@ -142,10 +142,11 @@ def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> Quantized
 
 def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int) -> None:
     """`reference.quantize_at` (new tokens quantized into growing storage, in place), dispatched: one token per head
-    is written by the C++ kernel on the CPU (the bytes of `quantize`, tested), anything else by the reference."""
+    is written by the C++ kernel on the CPU (the bytes of `quantize`, tested), anything else is quantized by
+    `quantize` and copied in."""
     compiled = _cpu_extension(x.device) if x.shape[2] == 1 and _encodes(fmt, x.shape[-1]) else None
-    if compiled is None or x.dtype != torch.float32:
-        return reference.quantize_at(x, fmt, search_scale, target, at)
+    if compiled is None or x.dtype != torch.float32:  # the dispatched `quantize` (Triton on GPUs), then a copy
+        return reference.write_rows(target, quantize(x, fmt, search_scale), at)
     from .cpu.encode import quantize_at as kernel
 
     kernel(x, fmt, search_scale, target, at, compiled)

@@ -158,7 +158,11 @@ def undo_rope(
 def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int) -> None:
     """`quantize(x, fmt, search_scale)` of new tokens `[batch, heads, n, dim]` written into `target`'s sequence rows
     `at:at + n` (storage with room, `[batch, heads, rows, ...]`)."""
-    coded = quantize(x, fmt, search_scale)
+    write_rows(target, quantize(x, fmt, search_scale), at)
+
+
+def write_rows(target: QuantizedTensor, coded: QuantizedTensor, at: int) -> None:
+    """Packed tokens `coded` written into `target`'s sequence rows `at:at + n`."""
     for stored, new in zip(target.tensors(), coded.tensors(), strict=True):
         stored[:, :, at : at + new.shape[2]] = new
 
