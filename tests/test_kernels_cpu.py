@@ -90,10 +90,10 @@ def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, searc
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.booleans(), st.integers(1, 5), st.sampled_from([0, 5, 70_000, 2**31 - 9]))
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 2, 5, 300]), st.sampled_from([0, 70_000, 2**30]))
 def test_undo_rope_kernel_is_the_reference(seed, reorder, n, start):
     """Keys turned back by their RoPE in the C++ kernel: the reference's floats exactly (its operations, in its order),
-    with a channel order, several tokens and batch rows at other positions, large positions included."""
+    with a channel order, one token or a prefill's, batch rows at other positions, large positions included."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(2, 3, n, 64, generator=g) * 30
     positions = torch.arange(start, start + n, dtype=torch.int32).repeat(2, 1)
