@@ -79,7 +79,10 @@ def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, searc
     x[0, 1, 0, :5] = torch.tensor([0.0, -0.0, 1e-30, 6e4, -7e4])  # zeros, a subnormal, values past fp16's range
     want = kernels.reference.quantize(x, fmt, search)
     storage = want.map(lambda t: torch.full((2, 3, 6, *t.shape[3:]), 7, dtype=t.dtype))
+    spec = storage.map(torch.clone)
     kernels.quantize_at(x, fmt, search, storage, at)
+    kernels.reference.quantize_at(x, fmt, search, spec, at)
+    _same_bytes(storage, spec)
     _same_bytes(storage.map(lambda t: t[:, :, at : at + 1]), want)
     strided = want.map(lambda t: torch.zeros(2, 3, 2, *t.shape[3:], dtype=t.dtype))
     kernels.quantize_at(x.transpose(-1, 0).contiguous().transpose(-1, 0), fmt, search, strided, 1)  # rows strided

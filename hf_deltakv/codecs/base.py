@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels
+from ..kernels.reference import write_rows
 from ..quant import QuantizedTensor, nbytes_of
 
 State = torch.Tensor | QuantizedTensor | None
@@ -138,15 +139,14 @@ class GrowingRows:
             capacity = have + add + room
             grown = _map(new, lambda t: t.new_empty(*t.shape[:2], capacity, *t.shape[3:]))
             if self.view is not None:
-                _copy(grown, self.view, 0)
+                write_rows(grown, self.view, 0)
             self.buffer = grown
-        _copy(self.buffer, new, have)
-        self.view = _map(self.buffer, lambda t: t[:, :, : have + add])
-        return self.view
+        write_rows(self.buffer, new, have)
+        return self.extend(add)
 
     def extend(self, add: int) -> State:
         """The view grown over `add` rows already written into the buffer past it."""
-        have = _rows(self.view)
+        have = 0 if self.view is None else _rows(self.view)
         self.view = _map(self.buffer, lambda t: t[:, :, : have + add])
         return self.view
 
@@ -161,16 +161,6 @@ def _rows(state: State) -> int:
 
 def _map(state: State, fn):
     return state.map(fn) if isinstance(state, QuantizedTensor) else fn(state)
-
-
-def _copy(target: State, source: State, at: int) -> None:
-    pairs = (
-        zip(target.tensors(), source.tensors(), strict=True)
-        if isinstance(target, QuantizedTensor)
-        else [(target, source)]
-    )
-    for t, s in pairs:
-        t[:, :, at : at + s.shape[2]] = s
 
 
 def append_along_seq(stored: State, new: State) -> State:

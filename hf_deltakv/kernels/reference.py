@@ -161,10 +161,12 @@ def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: Quantized
     write_rows(target, quantize(x, fmt, search_scale), at)
 
 
-def write_rows(target: QuantizedTensor, coded: QuantizedTensor, at: int) -> None:
-    """Packed tokens `coded` written into `target`'s sequence rows `at:at + n`."""
-    for stored, new in zip(target.tensors(), coded.tensors(), strict=True):
-        stored[:, :, at : at + new.shape[2]] = new
+def write_rows(target: QuantizedTensor | torch.Tensor, new: QuantizedTensor | torch.Tensor, at: int) -> None:
+    """Tokens `new` (packed, or a tensor) written into `target`'s sequence rows `at:at + n` (`[batch, heads, rows,
+    ...]`, in place)."""
+    packed = isinstance(target, QuantizedTensor)
+    for stored, rows in zip(target.tensors(), new.tensors(), strict=True) if packed else [(target, new)]:
+        stored[:, :, at : at + rows.shape[2]] = rows
 
 
 def pair_energy(query: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import kernels
 from ..kernels.layout import RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
 from ..layers import PositionLog, StreamLayer
@@ -94,7 +95,7 @@ class ResidualLayer(StreamLayer):
         # Tokens leave the window during an update, before cumulative_length counts the new ones; the sinks are full.
         begin = self.sink_tokens + self.compressed
         if self.rope is not None:
-            keys = self.rope.undo(keys, self.positions.ids[:, begin : begin + n])
+            keys = kernels.undo_rope(keys, self.positions.ids[:, begin : begin + n], self.rope.freqs, self.rope.order)
         if self.layout.stride == 0:  # no references: every token coded against zero (split_tokens' answer, cheaper)
             self._append_codes(
                 *encode_residuals(self.compressor, self.bits, heads_to_tokens(keys), heads_to_tokens(values))

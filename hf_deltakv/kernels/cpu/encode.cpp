@@ -373,10 +373,10 @@ at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_
     const float left = std::max(static_cast<float>(total) - floors, 0.0f);
     for (int64_t c = 0; c < dim; ++c) order[c] = c;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return fraction[a] > fraction[b]; });
-    float spent = 0.f;
+    float given = 0.f;
     for (int64_t k = 0; k < dim; ++k) bits[order[k]] = base[order[k]] + (static_cast<float>(k) < left ? 1.f : 0.f);
-    for (int64_t c = 0; c < dim; ++c) spent += bits[c];
-    const float excess = spent - static_cast<float>(total);  // float edge cases: take bits back from the largest
+    for (int64_t c = 0; c < dim; ++c) given += bits[c];
+    const float excess = given - static_cast<float>(total);  // float edge cases: take bits back from the largest
     if (excess > 0.f) {
       for (int64_t c = 0; c < dim; ++c) order[c] = c;
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return bits[a] > bits[b]; });
