@@ -1,16 +1,19 @@
-"""Decode attention on a GPU: fp16 SDPA over a full-precision cache vs our fused kernels reading packed codes.
+"""Decode attention on a GPU: fp16 SDPA over a full-precision cache against our kernels reading packed codes, and
+end-to-end decoding.
 
-For each context length: one decode step's attention (SmolLM2-like shapes scaled up: 32 query heads, 8 kv heads,
-head_dim 128, batch 1 by default), latency by CUDA events (median of `--iters`), bytes of the cache read, and each
-kernel's maximum error against its PyTorch reference. Two kernels: q4_0 keys and values (QuantizedKVCache), and
-the token-delta layout of `DeltaKVCache(keys="token")` (rotated pre-RoPE delta keys with RoPE re-applied in the
-kernel, rotated q4_0 values), through the same dispatch the model uses (`kernels.stream_attention`). The default
-per-channel key layout has no Triton kernel yet (it takes the chunked reference on GPUs). Then, with `--e2e`,
-end-to-end decode tokens/s of the embedded model (16 greedy steps after the prompt) with DynamicCache against
-DeltaKVCache (default) and DeltaKVCache(keys="token"). Written to benchmarks/results/gpu_decode.json.
+For each model shape (`--shapes`: 1B = 32 query heads on 8 kv heads of 64, 8B = 32 on 8 of 128, batch 1) and context
+length: one decoding step's attention, latency by CUDA events (median of `--iters`), the bytes it reads and their
+rate against the chip's peak, and each kernel's largest error against its PyTorch reference. Three layouts through
+the dispatch the model uses (`kernels.stream_attention`): the default `DeltaKVCache(kf=32, model=model)` (adaptive
+per-channel keys coded before RoPE, RoPE re-applied in the kernel, rotated q4_0 values with searched scales, 4 raw
+sinks: `triton/adaptive_attention.py`), q4_0 keys and values (QuantizedKVCache), and the token-delta layout of
+`DeltaKVCache(keys="token")`. With `--e2e`, end-to-end decode tokens/s of random-weight models of both shapes (no
+hub), DynamicCache against DeltaKVCache: the history is filled by each layer's `update` with random keys and values
+(decoding's cost depends on the history's size, not its content; a real prefill at 128K would take minutes), then
+`--new` greedy steps are timed. Written to benchmarks/results/gpu_decode.json with the device's name.
 
-    python benchmarks/gpu_decode.py --e2e                          # < 5 min on one H200
-    TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 64 --iters 1   # smoke test
+    python benchmarks/gpu_decode.py --e2e                          # ~5 min on one H200 (untimed so far)
+    TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B   # smoke
 """
 
 from __future__ import annotations
@@ -101,122 +104,146 @@ def _time(fn, iters: int, device: str) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(context: int, args: argparse.Namespace) -> dict:
-    device, dim = args.device, args.head_dim
+SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B's attention and sizes
+    "1B": {"q_heads": 32, "kv_heads": 8, "head_dim": 64, "layers": 16, "hidden": 2048, "ffn": 8192},
+    "8B": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 32, "hidden": 4096, "ffn": 14336},
+}
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "MI300X": 5.3e12}  # bytes/s, by a word of the device's name
+
+
+def _peak(device_name: str) -> float | None:
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in device_name), None)
+
+
+def run(context: int, shape: str, args: argparse.Namespace) -> dict:
+    device, cfg = args.device, SHAPES[shape]
+    dim, kv_heads = cfg["head_dim"], cfg["kv_heads"]
     dtype = torch.float16 if device == "cuda" else torch.float32  # the CPU smoke test runs SDPA in fp32
     torch.manual_seed(context)
-    q = torch.randn(args.batch, args.q_heads, dim, device=device, dtype=dtype)
-    k = torch.randn(args.batch, args.kv_heads, context, dim, device=device, dtype=dtype)
-    v = torch.randn(args.batch, args.kv_heads, context, dim, device=device, dtype=dtype)
+    q = torch.randn(args.batch, cfg["q_heads"], dim, device=device, dtype=dtype)
+    k = torch.randn(args.batch, kv_heads, context, dim, device=device, dtype=dtype)
+    v = torch.randn(args.batch, kv_heads, context, dim, device=device, dtype=dtype)
     scale = dim**-0.5
-    group = args.q_heads // args.kv_heads
-
-    def sdpa():
-        return F.scaled_dot_product_attention(
-            q[:, :, None], k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale=scale
-        )
 
     def sdpa_gqa():
         return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-    plain = _case(q, k, v, scale, args, token_delta=False)
-    delta = _case(q, k, v, scale, args, token_delta=True)
     sdpa_ms = _time(sdpa_gqa, args.iters, device)
-    fused_ms = _time(plain["fused"], args.iters, device)
-    return {
-        "context": context,
-        "sdpa_fp16_ms": sdpa_ms,
-        "sdpa_fp16_repeat_kv_ms": _time(sdpa, args.iters, device),
-        "fused_ms": fused_ms,
-        "speedup": sdpa_ms / fused_ms,
-        "fp16_cache_mib": 2 * k.numel() * 2 / 2**20,
-        "packed_cache_mib": plain["mib"],
-        "max_error_vs_reference": plain["error"],
-        "delta_fused_ms": _time(delta["fused"], args.iters, device),
-        "delta_packed_cache_mib": delta["mib"],
-        "delta_max_error_vs_reference": delta["error"],
-    }
+    fp16_bytes = 2 * k.numel() * k.element_size()
+    peak = _peak(torch.cuda.get_device_name() if device == "cuda" else "")
+    row = {"shape": shape, "context": context, "sdpa_fp16_ms": sdpa_ms, "fp16_cache_mib": fp16_bytes / 2**20,
+           "sdpa_bandwidth_fraction": fp16_bytes / (sdpa_ms / 1e3) / peak if peak else None}  # fmt: skip
+    for layout in ("adaptive", "plain", "token"):
+        case = _case(q, k, v, scale, args, layout)
+        ms = _time(case["fused"], args.iters, device)
+        row[layout] = {"ms": ms, "speedup_vs_sdpa": sdpa_ms / ms, "cache_mib": case["bytes"] / 2**20,
+                       "bandwidth_fraction": case["bytes"] / (ms / 1e3) / peak if peak else None,
+                       "max_error_vs_reference": case["error"]}  # fmt: skip
+        del case
+    return row
 
 
-def _case(q, k, v, scale, args, token_delta: bool) -> dict:
-    """`k`, `v` stored as `--format` per token (QuantizedKVCache), or as DeltaKVCache(keys="token") stores them
-    (pre-RoPE delta keys, RoPE redone in the kernel), and the fused attention through the model's dispatch."""
+def _case(q, k, v, scale, args, layout: str) -> dict:
+    """`k`, `v` stored as `layout` stores them ("adaptive": the default DeltaKVCache, pre-RoPE keys with RoPE redone
+    in the kernel and 4 raw sinks; "plain": `--format` per token; "token": DeltaKVCache(keys="token")), and the fused
+    attention through the model's dispatch."""
     from hf_deltakv import kernels
     from hf_deltakv.cache import TOKEN_DELTA_DEFAULTS
     from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+    from hf_deltakv.codecs.adaptive import AdaptiveChannelCodec
 
     batch, kv_heads, context, dim = k.shape
-    if token_delta:
+    sinks = 4 if layout == "adaptive" else 0
+    stream = context - sinks
+    smooth = k[:, :, sinks:].float().cumsum(2) / (1 + torch.arange(stream, device=k.device)[:, None])  # key-like
+    freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64, device=k.device) / (dim // 2))
+    positions = torch.arange(sinks, context, dtype=torch.int32, device=k.device).expand(batch, stream).contiguous()
+    rope = kernels.RopeAngles(positions, freqs)
+    if layout == "adaptive":
+        keys = AdaptiveChannelCodec(group=32, bits=4.0, offset=sinks)
+        values = RotatedCodec(PlainCodec("q4_0", search_scale=True))
+        keys.append(smooth)
+    elif layout == "token":
         keys = RotatedCodec(DeltaCodec(kf=32, **TOKEN_DELTA_DEFAULTS))
         values = RotatedCodec(PlainCodec("q4_0"))
-        keys.append(k.float().cumsum(2) / (1 + torch.arange(context, device=k.device)[:, None]))  # smooth, key-like
-        freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64, device=k.device) / (dim // 2))
-        positions = torch.arange(context, dtype=torch.int32, device=k.device).expand(batch, context).contiguous()
-        rope = kernels.RopeAngles(positions, freqs)
+        keys.append(smooth)
     else:
         keys, values = PlainCodec(args.format), PlainCodec(args.format)
         keys.append(k.float())
         rope = None
-    values.append(v.float())
+    values.append(v[:, :, sinks:].float())
     query = q.float().view(batch, kv_heads, -1, dim)
-    empty = query.new_zeros(batch, kv_heads, 0, dim)
-    call = (query, empty, empty, keys.layout(), values.layout(), rope, None, 1, context - 1, scale)
+    sink_k, sink_v = k[:, :, :sinks].half(), v[:, :, :sinks].half()
+    call = (query, sink_k, sink_v, keys.layout(), values.layout(), rope, None, 1, context - 1, scale)
 
     def fused():
         return kernels.stream_attention(*call)
 
     error = (fused() - kernels.reference.stream_attention(*call)).abs().max().item()
-    return {"fused": fused, "error": error, "mib": (keys.nbytes() + values.nbytes()) / 2**20}
+    read = keys.nbytes() + values.nbytes() + sink_k.nbytes + sink_v.nbytes + (positions.nbytes if rope else 0)
+    return {"fused": fused, "error": error, "bytes": read}
 
 
 @torch.no_grad()
-def end_to_end(context: int, args: argparse.Namespace, new: int = 16) -> dict:
-    """Decode tokens/s of the embedded model after a `context`-token prompt: DynamicCache against DeltaKVCache (its
-    default keys, and keys="token" which has a Triton kernel); decode steps read the packed cache by default."""
-    from transformers import DynamicCache
+def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
+    """Decode tokens/s of a random-weight Llama of `shape` (bf16) whose every layer's history holds `context`
+    random tokens: DynamicCache against DeltaKVCache(kf=32, model=model)."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
     from hf_deltakv import DeltaKVCache
-    from hf_deltakv.models import load_model
 
-    model, _ = load_model()
-    model = model.to(args.device, torch.float16 if args.device == "cuda" else torch.float32)
-    ids = torch.randint(100, 10000, (1, context), device=args.device, generator=None)
+    cfg = SHAPES[shape]
+    config = LlamaConfig(vocab_size=32000, hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["q_heads"],
+                         num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                         max_position_embeddings=max(context * 2, 8192))  # fmt: skip
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     speeds = {}
-    makers = {
-        "dynamic": DynamicCache,
-        "delta": lambda: DeltaKVCache(model=model),
-        "delta_token_keys": lambda: DeltaKVCache(model=model, keys="token"),
-    }
-    for name, make in makers.items():
-        cache = make()
-        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
+    for name in ("dynamic", "delta"):
+        cache = DynamicCache(config=config) if name == "dynamic" else DeltaKVCache(kf=32, model=model)
+        g = torch.Generator(device=args.device).manual_seed(0)
+        positions = torch.arange(context, device=args.device)[None]
+        for layer in range(cfg["layers"]):  # the history, a layer at a time (its cost is its size)
+            shape_kv = (1, cfg["kv_heads"], context, cfg["head_dim"])
+            keys = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
+            values = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
+            cache.update(keys, values, layer, position_ids=positions)
+            if hasattr(cache.layers[layer], "reconstruct"):
+                cache.layers[layer].key_codec.flush()  # (a prefill's attention would have coded the groups)
+        token = torch.tensor([[11]], device=args.device)
         model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        _sync(args.device)
         start = time.perf_counter()
-        for _ in range(new):
-            logits = model(token, cache=cache, use_cache=True).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        speeds[name] = new / (time.perf_counter() - start)
+        for _ in range(args.new):
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        _sync(args.device)
+        speeds[name] = args.new / (time.perf_counter() - start)
         del cache
-    return {"context": context, **{f"{name}_tokens_per_s": speed for name, speed in speeds.items()}}
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    del model
+    return {"shape": shape, "context": context, **{f"{n}_tokens_per_s": v for n, v in speeds.items()},
+            "speedup": speeds["delta"] / speeds["dynamic"]}  # fmt: skip
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--contexts", default="4096,16384,65536,131072")
+    parser.add_argument("--contexts", default="8192,32768,131072")
+    parser.add_argument("--shapes", default="1B,8B")
     parser.add_argument("--format", default="q4_0")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--e2e", action="store_true", help="also end-to-end decode tokens/s of the embedded model")
-    parser.add_argument("--e2e-contexts", default="4096,16384,65536")
+    parser.add_argument("--e2e", action="store_true", help="also end-to-end decode tokens/s of both shapes")
+    parser.add_argument("--e2e-contexts", default="8192,131072")
+    parser.add_argument("--new", type=int, default=16, help="decoded tokens timed end to end")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     predicted = predicted_rows()
@@ -228,28 +255,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no CUDA device: wrote the predicted table only to {out} (measured rows need a GPU; run with "
               "--device cpu under TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)  # fmt: skip
         return 0
-    rows = [run(int(c), args) for c in args.contexts.split(",")]
+    started = time.perf_counter()
+    shapes = args.shapes.split(",")
+    rows = [run(int(c), shape, args) for shape in shapes for c in args.contexts.split(",")]
     print(
-        "| context | fp16 SDPA (ms) | q4_0 fused (ms) | speedup | delta fused (ms) | speedup "
-        "| cache fp16 / q4_0 / delta (MiB) | max error q4_0 / delta |"
+        "| shape | context | fp16 SDPA (ms) | default delta (ms) | speedup | q4_0 (ms) | speedup | delta keys=token "
+        "(ms) | speedup | max error default / q4_0 / token |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(
-            f"| {r['context']} | {r['sdpa_fp16_ms']:.3f} | {r['fused_ms']:.3f} | {r['speedup']:.2f}x "
-            f"| {r['delta_fused_ms']:.3f} | {r['sdpa_fp16_ms'] / r['delta_fused_ms']:.2f}x "
-            f"| {r['fp16_cache_mib']:.1f} / {r['packed_cache_mib']:.1f} / {r['delta_packed_cache_mib']:.1f} "
-            f"| {r['max_error_vs_reference']:.1e} / {r['delta_max_error_vs_reference']:.1e} |"
-        )
-    e2e = [end_to_end(int(c), args) for c in args.e2e_contexts.split(",")] if args.e2e else []
-    for r in e2e:
-        print(
-            f"end to end @ {r['context']}: DynamicCache {r['dynamic_tokens_per_s']:.1f} tok/s, DeltaKVCache "
-            f"(compressed attention) {r['delta_tokens_per_s']:.1f} tok/s"
-        )
+        a, p, t = r["adaptive"], r["plain"], r["token"]
+        print(f"| {r['shape']} | {r['context']} | {r['sdpa_fp16_ms']:.3f} | {a['ms']:.3f} "
+              f"| {a['speedup_vs_sdpa']:.2f}x "
+              f"| {p['ms']:.3f} | {p['speedup_vs_sdpa']:.2f}x | {t['ms']:.3f} | {t['speedup_vs_sdpa']:.2f}x "
+              f"| {a['max_error_vs_reference']:.1e} / {p['max_error_vs_reference']:.1e} / "
+              f"{t['max_error_vs_reference']:.1e} |")  # fmt: skip
+    e2e = []
+    if args.e2e:
+        for shape in shapes:
+            for c in args.e2e_contexts.split(","):
+                e2e.append(end_to_end(shape, int(c), args))
+                r = e2e[-1]
+                print(f"end to end, {shape} @ {c}: DynamicCache {r['dynamic_tokens_per_s']:.1f} tok/s, DeltaKVCache "
+                      f"{r['delta_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x)", flush=True)  # fmt: skip
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"config": {**vars(args), "device_name": device_name}, "rows": rows, "end_to_end": e2e,
-              "predicted": predicted}  # fmt: skip
+    result = {"config": {**vars(args), "device_name": device_name, "seconds": round(time.perf_counter() - started)},
+              "rows": rows, "end_to_end": e2e, "predicted": predicted}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

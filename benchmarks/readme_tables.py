@@ -269,10 +269,14 @@ def triton_table() -> None:
     cfg, rows = result["config"], result["rows"]
     print(f"\n## Triton kernels compiled without a GPU (Triton {cfg['triton']}, `triton_compile.json`, "
           f"{cfg['seconds']:.0f} s)\n")  # fmt: skip
-    print("Every configuration the dispatch launches, compiled for each target; shared memory against the target's "
-          "limit, registers per thread and spills as the backend reports them (none for sm_90: its ptxas report is "
-          "not parsed yet; compile seconds with Triton's cache as the run found it). The Delta-KV article's MI50 is "
-          "gfx906, which Triton does not target.\n")  # fmt: skip
+    which = ("A covering pass (`--quick`: every kernel, format, head dim and option at least once, the others varied "
+             "alongside; every combination took over 30 minutes on 2 cores once the default cache's kernels joined)"
+             if cfg.get("quick") else "Every configuration the dispatch launches")  # fmt: skip
+    print(which + ", compiled for each target; shared memory against the target's "
+          "limit, registers per thread and spilled bytes as the backend reports them (AMD: the assembly's metadata; "
+          "NVIDIA: `cuobjdump --dump-resource-usage` of the cubin, stack plus local memory; compile seconds with "
+          "Triton's cache as the run found it). The Delta-KV article's MI50 is gfx906, which Triton does not "
+          "target.\n")  # fmt: skip
     print("| kernel | target | configs | failed | max shared B (limit) | max registers | spills | compile s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for kernel in sorted({r["kernel"] for r in rows}):
@@ -287,6 +291,48 @@ def triton_table() -> None:
                   f"{sum(r['seconds'] for r in mine):.0f} |")  # fmt: skip
 
 
+def gpu_path_tables() -> None:
+    """The GPU path's launches and syncs per layer-step, bytes read and prefill memory (`gpu_path.json`)."""
+    result = _load("gpu_path.json")
+    if not result:
+        return
+    from gpu_path import markdown
+
+    budget = result["budget"]
+    print("\n## The GPU path, counted without a GPU (`gpu_path.py`, `gpu_path.json`)\n")
+    print(f"Per layer and decoding step on the path a CUDA device takes (`HF_DELTAKV_KERNELS=triton`, Triton's "
+          f"interpreter on CPU tensors), {result['model']}: aten ops that compute plus Triton launches (each at least "
+          "one GPU kernel) and host-device syncs inside the cache's `update` and attention call, the most of "
+          f"{result['rows'][0]['steps']} decoding steps after the prompt (the first included); a step that codes a "
+          f"group of keys apart. Budget of the default cache: ≤ {budget['launches']} launches, ≤ "
+          f"{budget['coding_launches']} on a coding step, {budget['syncs']} syncs. At 200 tokens the whole path is "
+          "interpreted; at 4,096 the prompt is encoded by the CPU kernels (the same bytes) and the kernels' bodies "
+          "are skipped while counting (no sync: nothing on the host depends on them; at 200 tokens the counts are "
+          "the same either way, tested). A cache without a Triton kernel for an op runs its PyTorch reference: "
+          "those rows are what a GPU would launch today.\n")  # fmt: skip
+    print(markdown(result["rows"]))
+    read = result.get("bytes_read")
+    if read:
+        print(f"\nBytes read by one decoding step at {read['length']:,} tokens (the distinct bytes each program of its "
+              f"kernels loads, summed over programs): {read['bytes_read']:,} against the layers' `nbytes()` "
+              f"{read['layers_nbytes']:,} plus queries and outputs {read['query_and_output_bytes']:,}: "
+              f"**{read['ratio']:.3f}x** (budget ≤ {result['bytes_budget']}x; the positions, 4 bytes a token read by "
+              "each kv head's programs, are most of the excess). By kernel: "
+              + ", ".join(f"`{k.strip('_')}` {v:,}" for k, v in read["by_kernel"].items()) + ".")  # fmt: skip
+    memory = result.get("prefill_memory")
+    if memory:
+        print("\nA prefill's transient memory, one layer of the default cache (8 kv heads × 128, bf16): the peak its "
+              "coding and the history it hands attention allocate, above what it holds after, against its fp16 keys "
+              f"and values (budget ≤ {result['prefill_budget']}x; on the GPU path the kernels' bodies are skipped: "
+              "they allocate nothing).\n")  # fmt: skip
+        print("| tokens | path | peak MiB | held after MiB | fp16 K+V MiB | transient / fp16 K+V |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for m in memory:
+            path = {"triton": "GPU (Triton)", "auto": "CPU (C++)"}.get(m["path"], m["path"])
+            print(f"| {m['length']:,} | {path} | {m['peak_bytes'] / 2**20:.0f} | {m['held_after_bytes'] / 2**20:.1f} "
+                  f"| {m['fp16_kv_bytes'] / 2**20:.0f} | {m['transient_over_fp16_kv']:.2f}x |")  # fmt: skip
+
+
 def gpu_prediction_table() -> None:
     result = _load("gpu_decode.json")
     if not result or "predicted" not in result:
@@ -297,9 +343,26 @@ def gpu_prediction_table() -> None:
     print("Batch 1 decoding is bound by memory bandwidth: tokens/s = bandwidth / (weights read + cache read), "
           "bf16 weights, the cache at the bits measured on SmolLM2, published peak bandwidth ("
           + ", ".join(f"{gpu} {bw / 1e12:.2f} TB/s" for gpu, bw in GPU_BANDWIDTH.items())
-          + "). An upper bound: no GPU has timed our kernels yet, and the default `delta` key layout has no Triton "
-          "attention kernel (it takes the chunked PyTorch reference on GPUs).\n")  # fmt: skip
+          + "). A prediction, and an upper bound: it counts bytes only. Each Triton launch also costs the host "
+          "time (Triton's Python launcher: tens of microseconds a launch as reported elsewhere, not measured here; "
+          "an 8B layer's fp16 history at 8K reads in 7 µs at 4.8 TB/s): the default cache's 7 launches a layer "
+          "(`gpu_path.json`) against DynamicCache's 3 may cost more than its bytes save at short contexts (no CUDA "
+          "graphs).\n")  # fmt: skip
     print(predicted_markdown(result["predicted"]))
+    measured = result.get("rows")
+    if measured and "adaptive" in measured[0]:
+        print(f"\nMeasured on {result['config']['device_name']} (attention of one decoding step, batch 1):\n")
+        print("| shape | context | fp16 SDPA ms | default delta ms | vs SDPA | q4_0 ms | vs SDPA | of peak bandwidth |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in measured:
+            a, p = r["adaptive"], r["plain"]
+            share = f"{a['bandwidth_fraction']:.0%}" if a.get("bandwidth_fraction") else "-"
+            print(f"| {r['shape']} | {r['context']:,} | {r['sdpa_fp16_ms']:.3f} | {a['ms']:.3f} | "
+                  f"{a['speedup_vs_sdpa']:.2f}x | {p['ms']:.3f} | {p['speedup_vs_sdpa']:.2f}x | {share} |")  # fmt: skip
+        for r in result.get("end_to_end", []):
+            print(f"\nEnd to end, {r['shape']} at {r['context']:,}: DynamicCache "
+                  f"{r['dynamic_tokens_per_s']:.1f} tok/s, DeltaKVCache {r['delta_tokens_per_s']:.1f} tok/s "
+                  f"({r['speedup']:.2f}x).")  # fmt: skip
 
 
 def results() -> None:
@@ -354,6 +417,7 @@ def results() -> None:
         if _load(name):
             print(f"\n## {heading} (`{name}`)\n\n{how}\n")
             print(long_context_tables(name=name))
+    gpu_path_tables()
     triton_table()
     gpu_prediction_table()
     sliding = _load("sliding_memory.json")

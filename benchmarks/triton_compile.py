@@ -8,7 +8,7 @@ CPU tensors with their kernels replaced by a recorder, and each recorded launch 
 specialised by Triton's own binder for the target and compiled. (The Delta-KV article's MI50 is gfx906, which
 Triton does not target.)
 
-    python benchmarks/triton_compile.py          # every configuration, every target (results/triton_compile.json)
+    python benchmarks/triton_compile.py          # every configuration, every target (over 30 min on 2 cores)
     python benchmarks/triton_compile.py --quick  # one pass over every kernel, format, head dim and option (CI's test)
 
 Needs a clean process: under `TRITON_INTERPRET=1` the kernels are not compilable objects (the test starts one).
@@ -67,17 +67,10 @@ class _Recorder:
 @contextlib.contextmanager
 def recording(sink: list, label: list):
     """Replace every `_*_kernel` of the Triton modules by a recorder for the duration."""
-    from hf_deltakv.kernels.triton import (
-        decode_attention,
-        delta_attention,
-        delta_encode,
-        latent,
-        quantize,
-        sparse_matvec,
-    )
+    from hf_deltakv.kernels.triton import KERNEL_MODULES
 
     saved = []
-    for module in (decode_attention, delta_attention, delta_encode, latent, quantize, sparse_matvec):
+    for module in KERNEL_MODULES():
         for name, value in vars(module).items():
             if name.startswith("_") and name.endswith("_kernel"):
                 saved.append((module, name, value))
@@ -95,13 +88,19 @@ def launches(quick: bool = False) -> list[Launch]:
     from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
     from hf_deltakv.kernels.layout import RopeAngles
     from hf_deltakv.kernels.triton import (
+        adaptive_attention,
+        adaptive_code,
+        append,
+        copy,
         decode_attention,
         delta_attention,
         delta_encode,
         latent,
         quantize,
+        reconstruct,
         sparse_matvec,
     )
+    from hf_deltakv.quant import QuantizedTensor, get_format
 
     sink: list[Launch] = []
     label = [""]
@@ -143,6 +142,50 @@ def launches(quick: bool = False) -> list[Launch]:
             query = torch.randn(1, 2, group, dim, generator=g)
             if delta_attention.supports(keys.layout(), values.layout()):  # what the dispatch sends
                 delta_attention.delta_attention(query, keys.layout(), values.layout(), cos, sin, mask, 2, 0.1)
+        for dim, group, dtype, rope, masked, kf in product(HEAD_DIMS, GROUPS, INPUT_DTYPES, (True, False),
+                                                          (False, True), (32, 16, 64, 8)):  # fmt: skip
+            label[0] = (f"adaptive keys (groups of {kf}), rotated q4_0 values, head_dim {dim}, {group} queries per kv "
+                        f"head, {str(dtype).removeprefix('torch.')} queries, RoPE {rope}, mask {masked}")  # fmt: skip
+            keys = _adaptive_layout(kf, dim)  # recorded launches need no coding
+            values = RotatedCodec(PlainCodec("q4_0", search_scale=True))
+            values.append(torch.randn(1, 2, 3 * kf, dim, generator=g))
+            positions = torch.arange(4, 4 + 3 * kf, dtype=torch.int32)[None]
+            freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+            angles = RopeAngles(positions, freqs) if rope else None
+            mask = torch.ones(1, 1, 4 + 3 * kf, dtype=torch.bool) if masked else None
+            query = torch.randn(1, 2, group, dim, generator=g).to(dtype)
+            sinks = torch.randn(1, 2, 4, dim, generator=g).to(torch.float16)
+            adaptive_attention.adaptive_attention(query, sinks, sinks, keys, values.layout(), angles, mask, 0.1)
+            append.add_query_energy(query, None, 2, None)
+            append.undo_rope_into(query, positions[:, :group], freqs if rope else None, None,
+                                  torch.empty(1, 2, 64, dim, dtype=torch.float16), 0)  # fmt: skip
+            if group == GROUPS[0] and not masked and kf == 32:  # a prefill's keys, in tiles
+                prompt = torch.randn(1, 2, 3 * kf, dim, generator=g).to(dtype)
+                append.undo_rope_into(prompt, positions, freqs if rope else None, None,
+                                      torch.empty(1, 2, 3 * kf, dim, dtype=torch.float16), 0)  # fmt: skip
+            label[0] = f"adaptive keys (groups of {kf}), head_dim {dim}, {str(dtype).removeprefix('torch.')} history"
+            reconstruct.decode_into(keys, torch.empty(1, 2, 3 * kf, dim, dtype=dtype), angles,
+                                    torch.arange(dim) if masked else None)  # fmt: skip
+            reconstruct.decode_into(values.layout(), torch.empty(1, 2, 3 * kf, dim, dtype=dtype))
+            label[0] = f"groups of {kf}, head_dim {dim}, clipped ranges {masked}"
+            tail = torch.randn(1, 2, 2 * kf, dim, generator=g).half()
+            out = _adaptive_rows(kf, dim, 4)
+            adaptive_code.code_groups(tail, 4, 2, None if rope else torch.rand(1, 2, 2, dim), 4 * dim, masked, out, 0)
+        for fmt, dim, search, rotation, dtype in product(("q4_0", "q4_0_16"), HEAD_DIMS, (True, False), (True, False),
+                                                         INPUT_DTYPES):  # fmt: skip
+            label[0] = f"{fmt}, head_dim {dim}, searched scale {search}, rotated {rotation}"
+            x = torch.randn(1, 2, 1, dim, generator=g).to(dtype)
+            target = PlainCodec(fmt)
+            target.append(torch.randn(1, 2, 2, dim, generator=g))
+            append.quantize_at(x, fmt, search, target.stored, 1, min(dim, 128) if rotation else 0)
+            if dtype == INPUT_DTYPES[0]:  # a prefill's tokens: tiles of `append.ROWS_MOST` rows
+                label[0] += ", a prefill's tile"
+                prompt = torch.randn(1, 2, append.ROWS_MOST + 3, dim, generator=g).to(dtype)
+                rows = QuantizedTensor.empty(get_format(fmt), (1, 2, append.ROWS_MOST + 3), dim, "cpu")
+                append.quantize_at(prompt, fmt, search, rows, 0, min(dim, 128) if rotation else 0)
+        label[0] = "grown storage: 4 copies of rows"
+        copy.copy_rows([(torch.zeros(1, 2, 5, 4, 16, dtype=torch.uint8)[:, :, :3], torch.zeros(1, 2, 9, 4, 16,
+                         dtype=torch.uint8)) for _ in range(4)])  # fmt: skip
         for dim, intra in product(HEAD_DIMS, (False, True)):
             label[0] = f"head_dim {dim}, blocks of 16, intra {intra}"
             x = torch.randn(2, 3, 32, dim, generator=g)
@@ -159,25 +202,42 @@ def launches(quick: bool = False) -> list[Launch]:
     return sink
 
 
+def _adaptive_rows(group: int, dim: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """Empty storage of `rows` coded adaptive groups at 4 bits (planes, packed depths, low, step)."""
+    return (torch.zeros(1, 2, rows, 4 * dim, group // 8, dtype=torch.uint8),
+            torch.full((1, 2, rows, dim // 2), 0x44, dtype=torch.uint8),
+            torch.zeros(1, 2, rows, dim, dtype=torch.float16),
+            torch.zeros(1, 2, rows, dim, dtype=torch.float16))  # fmt: skip
+
+
+def _adaptive_layout(group: int, dim: int):
+    """An adaptive key stream of two coded groups and a raw tail, as the kernels read it (contents irrelevant)."""
+    from hf_deltakv.kernels.layout import AdaptiveStream
+
+    planes, depths, low, step = _adaptive_rows(group, dim, 2)
+    tail = torch.zeros(1, 2, group - 4, dim, dtype=torch.float16)
+    return AdaptiveStream(planes, depths, low, step, tail, group, 4, dim, 3 * group)
+
+
 def _registers(asm: dict) -> tuple[int | None, int | None]:
-    """(registers per thread, spilled bytes or registers) as the target's assembler reports them, where it does."""
+    """(registers per thread, spilled bytes or registers) as the target's tools report them: the AMD assembly's
+    metadata, or `cuobjdump --dump-resource-usage` of the NVIDIA cubin (REG, and STACK + LOCAL: the bytes of
+    per-thread local memory, where spills go)."""
     if "amdgcn" in asm:
         text = asm["amdgcn"]
         vgpr = re.search(r"\.vgpr_count:\s+(\d+)", text)
         spill = re.search(r"\.vgpr_spill_count:\s+(\d+)", text)
         return (int(vgpr.group(1)) if vgpr else None), (int(spill.group(1)) if spill else None)
-    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    arch = re.search(r"^\.target\s+(sm_\w+)", asm.get("ptx", ""), flags=re.M)  # sm_90a on Hopper
-    if arch is None or not ptxas.exists():
+    cuobjdump = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if "cubin" not in asm or not cuobjdump.exists():
         return None, None
     with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "kernel.ptx"
-        source.write_text(asm["ptx"])
-        done = subprocess.run([str(ptxas), "-v", f"-arch={arch.group(1)}", str(source), "-o", f"{tmp}/k.cubin"],
-                              capture_output=True, text=True)  # fmt: skip
-    used = re.search(r"Used (\d+) registers", done.stderr)
-    spilled = re.search(r"(\d+) bytes spill stores", done.stderr)
-    return (int(used.group(1)) if used else None), (int(spilled.group(1)) if spilled else None)
+        binary = Path(tmp) / "kernel.cubin"
+        binary.write_bytes(asm["cubin"])
+        done = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(binary)], capture_output=True, text=True)
+    used = re.search(r"REG:(\d+)", done.stdout)
+    local = [int(m) for m in re.findall(r"(?:STACK|LOCAL):(\d+)", done.stdout)]
+    return (int(used.group(1)) if used else None), (sum(local) if local else None)
 
 
 def compile_launch(launch: Launch, target: str) -> dict:

@@ -69,13 +69,22 @@ class RopeForm:
     def head_dim(self) -> int:
         return 2 * self.freqs.numel()
 
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(freqs float64, order or None) on `device`, made once per device and kept (a decoding step reads them in
+        every layer: a copy from the host per step would stall the GPU's queue)."""
+        kept = self.__dict__.setdefault("_on", {})
+        if device not in kept:
+            order = None if self.order is None else self.order.to(device)
+            kept[device] = (self.freqs.to(device=device, dtype=torch.float64), order)
+        return kept[device]
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin fp32 `[*positions.shape, D/2]` (`rope_cos_sin`)."""
         return rope_cos_sin(positions, self.freqs)
 
     def to_canonical(self, x: torch.Tensor) -> torch.Tensor:
         """The model's channel order `[..., D]` to the canonical one."""
-        return x if self.order is None else x[..., self.order.to(x.device)]
+        return x if self.order is None else x[..., self.on(x.device)[1]]
 
     def from_canonical(self, x: torch.Tensor) -> torch.Tensor:
         """The canonical channel order back to the model's."""

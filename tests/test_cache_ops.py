@@ -79,9 +79,13 @@ LOSSY = {
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations=st.lists(OPERATION, min_size=1, max_size=8))
 @example(operations=[("update", 1), ("crop", 1)])  # a crop while every token is still a sink: nothing to truncate
+# Once moved kept keys by an fp16 step (the rotation was a matrix product, whose rounding depends on how many rows it
+# multiplies: a crop changed how many tokens decode together); rotations are row by row now (butterflies).
+@example(operations=[("reset", 0), ("update", 0), ("update", 0), ("update", 0), ("repeat_select", 1), ("update", 11),
+                     ("crop", 1)])  # fmt: skip
 def test_lossy_codecs_equal_their_one_shot_coding(name, operations):
     """Without crops, any sequence of operations stores what one update of the same tokens stores; a crop leaves
-    the reconstruction of the kept tokens as it was."""
+    the reconstruction of the kept tokens as it was, bit for bit (a token decodes from its stored bytes alone)."""
     cache = LOSSY[name]()
     inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # the tokens the cache holds, in its batch order
     cropped = False
@@ -104,7 +108,7 @@ def test_lossy_codecs_equal_their_one_shot_coding(name, operations):
             cropped = True
             kept = inputs[0].shape[2]
             for a, b in zip(cache.layers[0].reconstruct(), before, strict=True):
-                torch.testing.assert_close(a, b[:, :, :kept], rtol=0, atol=1e-3)  # fp16 tail: what it was
+                assert torch.equal(a, b[:, :, :kept])
         elif op == "reset":
             inputs, cropped = None, False
         if inputs is not None and inputs[0].shape[2] and not cropped:

@@ -172,6 +172,19 @@ from hf_deltakv.kernels.reference import pair_energy  # noqa: E402
 from hf_deltakv.quant.bitplanes import pack_planes, unpack_planes  # noqa: E402
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 12), dim=st.sampled_from([16, 48, 64, 96, 128, 256]), seed=st.integers(0, 999))
+def test_a_rotated_row_does_not_depend_on_the_rows_rotated_with_it(rows, dim, seed):
+    """The rotation is row by row (butterflies): any subset or chunking of the rows gives each row's same bits."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, dim, generator=g) * 10
+    whole = rotate(x)
+    pick = torch.randperm(rows, generator=g)[: max(1, rows // 2)]
+    assert torch.equal(rotate(x[pick]), whole[pick])
+    assert torch.equal(torch.cat([rotate(part) for part in x.split(5)]), whole)
+    assert torch.equal(rotate(x[:1, :1]), whole[:1, :1])
+
+
 @settings(max_examples=60, deadline=None)
 @given(dim=st.sampled_from([2, 8, 64, 256]), rate=st.sampled_from([1.0, 2.5, 4.0, 5.25, 8.0]), seed=st.integers(0, 999))
 def test_allocation_spends_the_budget_exactly_and_follows_the_scores(dim, rate, seed):

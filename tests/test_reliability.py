@@ -190,12 +190,11 @@ def test_a_failed_update_leaves_the_cache_as_it_was(make, monkeypatch):
     layer = cache.layers[0]
     decoded = [t.clone() for t in layer.reconstruct()]  # a read codes complete groups: measure after it
     before = (cache.nbytes(), cache.get_seq_length(), decoded)
-    codec = layer.value_codec.inner if hasattr(layer.value_codec, "inner") else layer.value_codec
 
-    def broken(x):
+    def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(codec, "append", broken)
+    monkeypatch.setattr(layer.value_codec, "append_model", broken)  # after the keys were stored
     with pytest.raises(RuntimeError, match="disk on fire"):
         cache.update(torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64), 0)
     monkeypatch.undo()
@@ -221,10 +220,10 @@ def test_a_failed_update_of_a_later_layer_leaves_it_as_the_forward_found_it(monk
     decoded = [t.clone() for t in layer.reconstruct()]
     before = (layer.nbytes(), layer.cumulative_length)
 
-    def broken(x):
+    def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(layer.value_codec.inner, "append", broken)
+    monkeypatch.setattr(layer.value_codec, "append_model", broken)
     feed(0)  # the next forward starts
     with pytest.raises(RuntimeError, match="disk on fire"):
         feed(1)

@@ -50,15 +50,27 @@ def test_every_cache_generates_under_tensor_parallelism_as_in_one_process(tiny_r
     one, tp = single[spec], sharded[spec]
     assert "error" not in one and "error" not in tp, (one.get("error"), tp.get("error"))
     assert tp["tokens"] == one["tokens"]
-    # each head is coded on its own, so the codes are the same; only the all-reduce's summation order differs
-    worst = max(
-        abs(a - b) for ra, rb in zip(one["logits"], tp["logits"], strict=True) for a, b in zip(ra, rb, strict=True)
-    )
-    assert worst < 1e-4, worst
+    worst = _worst(one["logits"], tp["logits"])
+    if spec == "dynamic":
+        assert worst < 1e-4, worst  # only the all-reduce's summation order differs
+        return
+    # Layer 0's inputs are the same on every rank and in one process, and each head is coded on its own: the ranks
+    # store, head for head, the single process's bytes.
+    assert tp["layer0_heads"] == one["layer0_heads"]
+    # Later layers' inputs differ in their last bits (the all-reduce sums in another order), and a code at its
+    # rounding edge may then flip: one value moves by one quantization step, less than quantization already moves
+    # every value, so its effect on the logits stays within what the cache's quantization does to them (its logits'
+    # distance from DynamicCache's, in one process); 1e-4 where that is smaller (lossless storage).
+    bound = max(1e-4, _worst(single["dynamic"]["logits"], one["logits"]))
+    assert worst <= bound, (worst, bound)
     if spec != "dynamic":
         assert tp["rank_nbytes"] < 0.6 * one["rank_nbytes"]  # a rank holds its heads only
         # summed over ranks: the single process's bytes, plus the position ids each rank keeps for itself
         assert one["rank_nbytes"] <= tp["total_nbytes"] <= 1.05 * one["rank_nbytes"]
+
+
+def _worst(a: list, b: list) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
 @pytest.mark.real_model

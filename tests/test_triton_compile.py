@@ -27,6 +27,11 @@ def test_every_triton_kernel_compiles_for_every_gpu_target(tmp_path):
     kernels = {row["kernel"] for row in rows}
     assert kernels == {"quantize_4bit_kernel", "quantize_q8_0_kernel", "decode_attention_kernel",
                        "delta_attention_kernel", "delta_encode_kernel", "dequantize_latent_kernel",
-                       "sparse_matvec_kernel"}  # fmt: skip
+                       "sparse_matvec_kernel", "adaptive_split_kernel", "adaptive_merge_kernel", "undo_rope_kernel",
+                       "quantize_rows_kernel", "query_energy_kernel", "code_groups_kernel", "copy_rows_kernel",
+                       "adaptive_keys_kernel", "plain_values_kernel"}  # fmt: skip
+    no_spills = [row for row in rows if row["target"] == "sm_90" and "head_dim 128" in row["config"]
+                 and row["kernel"].startswith("adaptive")]  # fmt: skip
+    assert no_spills and all(row["spills"] == 0 for row in no_spills), no_spills
     assert {row["target"] for row in rows} == {"sm_80", "sm_90", "gfx942", "gfx90a"}
     assert all(row["error"] is None and row["shared"] <= row["shared_limit"] for row in rows)

@@ -28,7 +28,38 @@ def run(model, spec: str | None) -> dict:
     if cache is not None and hasattr(cache, "nbytes"):
         result["rank_nbytes"] = cache.nbytes()
         result["total_nbytes"] = total_nbytes(cache)
+        heads = _head_digests(cache.layers[0])
+        result["layer0_heads"] = _gathered(heads)
     return result
+
+
+def _head_digests(layer) -> list[str]:
+    """A digest of what layer `layer` stores for each of its kv heads (every state tensor's bytes of that head)."""
+    import hashlib
+
+    from hf_deltakv.quant import QuantizedTensor
+
+    tensors = []
+    for item in layer.held():
+        for t in item.tensors() if isinstance(item, QuantizedTensor) else [item]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                tensors.append(t)
+    digests = []
+    for head in range(layer.kv_heads):
+        digest = hashlib.sha256()
+        for t in tensors:
+            digest.update(t[:, head].contiguous().view(torch.uint8).numpy().tobytes())
+        digests.append(digest.hexdigest())
+    return digests
+
+
+def _gathered(heads: list[str]) -> list[str]:
+    """Every rank's heads in rank order (a rank holds the kv heads of its shard), or this process's."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return heads
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, heads)
+    return [digest for part in parts for digest in part]
 
 
 def main() -> None:

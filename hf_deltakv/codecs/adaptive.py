@@ -24,65 +24,13 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import FP16_MAX, owned, pack_4bit, saturate_fp16
+from ..kernels.reference import CLIP_ELEMENTS, CLIPS, allocate_bits, clipped_codes  # noqa: F401 - the codec's spec
+from ..quant import owned, saturate_fp16
 from ..quant.bitplanes import MAX_BITS
-from .base import StreamCodec, append_along_seq
+from .base import ROOM_AHEAD_GROUPS, StreamCodec, batched_growth
 
 GROUPS = (8, 16, 32, 64)  # token group sizes (a plane is a whole number of bytes; the kernels read up to 64)
 CODED = ("planes", "depths", "low", "step")  # the state of coded groups, one row per group
-
-
-def allocate_bits(score: torch.Tensor, total: int) -> torch.Tensor:
-    """Integer depths in 1..8 per entry of the last dimension `[..., D]`, summing to `total` in every row, about
-    `total / D + log2(sqrt(score)) - mean` (reverse water-filling of a uniform quantizer's error `score * 2**-2b`).
-
-    `score` is each channel's error weight at one bit (its range squared times its query weight); non-finite or zero
-    scores get the least. Deterministic: the water level is found by bisection, then the bits left over go to the
-    largest fractional depths (the lower channel index first on ties).
-    """
-    dim = score.shape[-1]
-    if not dim <= total <= MAX_BITS * dim:
-        raise ValueError(f"{total} bits cannot be spread over {dim} channels at 1 to {MAX_BITS} bits each")
-    finite = torch.isfinite(score) & (score > 0)
-    level = torch.where(finite, score, torch.ones_like(score)).log2() * 0.5
-    lowest = level.masked_fill(~finite, float("inf")).amin(-1, keepdim=True).clamp(max=0) - 2 * MAX_BITS
-    level = torch.where(finite, level, lowest.expand_as(level))
-    return kernels.allocate_depths(level, total, MAX_BITS)
-
-
-# Fractions of a channel's range given up at its low and high ends, tried in every pair: each channel of a group keeps
-# the clipped range that codes its tokens with the least squared error (the encoder's choice; the decoder reads low and
-# step as before). Extremes of a few tokens otherwise stretch the step of all: at 3 bits per key (kf=64) the clipping
-# cuts the keys' KL divergence by a quarter on SmolLM2 and by 40 % on Gemma 3 (validation text; docs/codec.md).
-CLIPS = torch.tensor([(a, b) for a in (0, 0.03, 0.06, 0.1, 0.15, 0.2) for b in (0, 0.03, 0.06, 0.1, 0.15, 0.2)])
-CLIP_ELEMENTS = 1 << 20  # candidate codes per pass of the encoder: groups are coded in chunks of ~4 MB
-
-
-@torch.no_grad()  # codes carry no gradient, and the search works in place (even when a forward records autograd)
-def clipped_codes(x: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels: torch.Tensor, clips: torch.Tensor):
-    """Codes `uint8 [..., group, D]`, low and step (fp16 `[..., D]`) of groups `x` `[..., group, D]` at `levels + 1`
-    levels per channel, each channel over the candidate range of `clips` (rows of `CLIPS`) that reconstructs it best.
-
-    The candidates' errors are computed in place in one `[..., group, D, candidates]` buffer (the search is bound by
-    memory traffic); the chosen candidate's codes are then computed again, by the same arithmetic."""
-    clips = clips.to(x.device)
-    lows = (low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-    highs = low.unsqueeze(-1) + span.unsqueeze(-1) * (1 - clips[:, 1])
-    steps = ((highs - lows.float()) / levels.unsqueeze(-1)).clamp(0, FP16_MAX).to(torch.float16)  # [..., D, C]
-    step_f, low_f = steps.float().unsqueeze(-3), lows.float().unsqueeze(-3)  # [..., 1, D, C]
-    error = _codes(x.unsqueeze(-1), low_f, step_f, levels.unsqueeze(-2).unsqueeze(-1))
-    error.mul_(step_f).add_(low_f).sub_(x.unsqueeze(-1)).square_()
-    best = error.sum(-3).nan_to_num_(float("inf")).argmin(-1, keepdim=True)  # ties (and NaN) keep the whole range
-    low, step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
-    codes = _codes(x, low.float().unsqueeze(-2), step.float().unsqueeze(-2), levels.unsqueeze(-2))
-    return codes.to(torch.uint8), low, step
-
-
-def _codes(x: torch.Tensor, low: torch.Tensor, step: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Float codes of `x` on the grid `low + k * step`, k in 0..top (a new tensor, then modified in place)."""
-    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-    codes = (x - low).mul_(inverse).round_().nan_to_num_(0.0).clamp_min_(0)
-    return torch.minimum(codes, top, out=codes)
 
 
 class AdaptiveChannelCodec(StreamCodec):
@@ -137,10 +85,26 @@ class AdaptiveChannelCodec(StreamCodec):
         return int(total)
 
     def append(self, x: torch.Tensor) -> None:
+        self._append_tail(x, lambda target, at: kernels.reference.write_rows(target, saturate_fp16(x), at))
+
+    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
+        """New keys as the model gives them, turned back by their RoPE (`turn`) and saturated to fp16 straight into
+        the raw tail's room (`kernels.undo_rope_into`: one kernel on GPUs)."""
+        positions, freqs, order = turn if turn is not None else (None, None, None)
+        self._append_tail(x, lambda target, at: kernels.undo_rope_into(x, positions, freqs, order, target, at))
+
+    def _append_tail(self, x: torch.Tensor, write) -> None:
+        """`write(buffer, row)` writes the tokens `x` `[B, H, n, D]` into the tail's buffer, which keeps room for a
+        whole group once decoding appends to it (a group's tokens are then never copied before they are coded)."""
         if self.tail is None:
             self._budget(x.shape[-1])
-        self.tail = append_along_seq(self.tail, saturate_fp16(x))
-        self.length += x.shape[2]
+        batch, heads, n, dim = x.shape
+        make = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
+        room = self.group if self.length >= ROOM_AHEAD_GROUPS * self.group else 0  # (short streams grow as needed)
+        target, at = self._reserve("tail", n, make, minimum=room)
+        write(target, at)
+        self._commit_rows("tail", n)
+        self.length += n
 
     def observe(self, energy: torch.Tensor, first: int) -> None:
         """Queries' pair energies `[B, H, n, D]` at absolute positions `first ... first + n - 1`, in order; positions
@@ -159,29 +123,52 @@ class AdaptiveChannelCodec(StreamCodec):
         self.energy = total + energy.sum(2)
         self.observed = first + n
 
+    def observe_one(self, query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, position: int) -> None:
+        """`observe` of one position's queries (a decoding step), in one op (`kernels.add_query_energy`): the new sum
+        is a new tensor, so the sum before a group's start is that tensor itself, kept, never copied."""
+        if position < self.observed:  # seen already
+            return
+        self.energy = kernels.add_query_energy(query, order, kv_heads, self.energy)
+        self.observed = position + 1
+        if self.observed % self.group == 0 and self.observed // self.group >= self.first_group + self.coded:
+            self.before_group[self.observed // self.group] = (self.energy, self.observed)
+
     def flush(self) -> None:
-        """Code every complete group of the tail, with the query weights observed before each."""
+        """Code every complete group of the tail, with the query weights observed before each, into the rows of the
+        coded groups' storage (`kernels.code_groups`: one kernel on GPUs)."""
         if self.tail is None:
             return
         slots = self.pad + self.length  # slots from the start of the stream's first group
         complete = slots // self.group - self.coded
         if complete <= 0:
             return
-        batch, heads, _, dim = self.tail.shape
+        dim = self.tail.shape[-1]
         pad = self.pad if self.coded == 0 else 0
         take = complete * self.group - pad
-        x = self.tail[:, :, :take].float()
-        if pad:  # the slots before the stream (sink tokens) repeat its first token, so they change no range
-            x = torch.cat([x[:, :, :1].expand(batch, heads, pad, dim), x], dim=2)
-        grouped = x.view(batch, heads, complete, self.group, dim)
         first = self.first_group + self.coded
-        planes, depths, low, step = self._encode(grouped, self._weights(range(first, first + complete), grouped))
-        for name, value in zip(CODED, (planes, depths, low, step), strict=True):
-            self._append_rows(name, value)  # in place, in a buffer with room: a flush does not copy the history
-        self.tail = owned(self.tail[:, :, take:])
+        weights = self._weights(range(first, first + complete), self.tail)
+        total = self._budget(dim)
+        shapes = ((total, self.group // 8), (dim // 2,), (dim,), (dim,))
+        dtypes = (torch.uint8, torch.uint8, torch.float16, torch.float16)
+        with batched_growth():  # the coded groups' four buffers grown (when they are) in one copy
+            self._code(complete, pad, weights, total, shapes, dtypes)
+        self._drop_rows("tail", take, keep_room=2 * self.group)  # (a prompt's whole tail is let go)
         for g in range(first, first + complete):
             self.before_group.pop(g, None)
         self.coded += complete
+
+    def _code(self, complete: int, pad: int, weights, total: int, shapes, dtypes) -> None:
+        batch, heads = self.tail.shape[:2]
+        out, rows = [], set()
+        for name, shape, dtype in zip(CODED, shapes, dtypes, strict=True):
+            make = lambda n, s=shape, d=dtype: torch.empty(batch, heads, n, *s, dtype=d, device=self.tail.device)  # noqa: E731
+            buffer, at = self._reserve(name, complete, make)
+            out.append(buffer)
+            rows.add(at)
+        assert rows == {self.coded}, (rows, self.coded)  # the four tensors of the coded groups stay aligned
+        kernels.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at)
+        for name in CODED:
+            self._commit_rows(name, complete)  # in a buffer with room: a flush does not copy the history
 
     def _weights(self, groups: range, like: torch.Tensor) -> torch.Tensor | None:
         """Mean query pair energy before each absolute group's start `[B, H, groups, D]`, None when none was seen
@@ -196,24 +183,10 @@ class AdaptiveChannelCodec(StreamCodec):
             rows.append(total / count if count else None)
         if all(r is None for r in rows):
             return None
-        ones = torch.ones_like(like[:, :, 0, 0])
+        if len(rows) == 1:  # a decoding step's group: a view, no copy
+            return rows[0].unsqueeze(2)
+        ones = torch.ones(like.shape[:2] + like.shape[3:], dtype=torch.float32, device=like.device)
         return torch.stack([ones if r is None else r for r in rows], dim=2)
-
-    def _encode(self, x: torch.Tensor, weights: torch.Tensor | None):
-        """Code groups `x` fp32 `[B, H, G, group, D]`: (planes, packed depths, low, step)."""
-        low, high = x.amin(3), x.amax(3)
-        span = high - low
-        score = span.pow(2) if weights is None else span.pow(2) * weights
-        depths = allocate_bits(score, self._budget(x.shape[-1]))
-        levels = ((1 << depths.long()) - 1).float()
-        clips = CLIPS if self.clip_range else CLIPS[:1]  # the first candidate is the whole range
-        chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(clips), 1))  # groups per pass
-        parts = [
-            clipped_codes(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips)
-            for g in range(0, x.shape[2], chunk)
-        ]
-        codes, low, step = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
-        return kernels.pack_planes(codes, depths), pack_4bit(depths), low, step
 
     def _coded_tokens(self) -> int:
         """Stream tokens held in coded groups (the first coded group may start after sink slots)."""

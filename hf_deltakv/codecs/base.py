@@ -8,14 +8,15 @@ to feed a codec (pre-RoPE, after the sink tokens).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
 from .. import kernels
-from ..kernels.reference import write_rows
-from ..quant import QuantizedTensor, nbytes_of
+from ..kernels.hadamard import rotate
+from ..quant import QuantizedTensor, nbytes_of, owned
 
 State = torch.Tensor | QuantizedTensor | None
 
@@ -30,6 +31,17 @@ class StreamCodec(ABC):
     def append(self, x: torch.Tensor) -> None:
         """Encode new tokens `x` `[batch, heads, new, dim]` (fp32) after those already stored."""
 
+    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
+        """Encode new tokens as the model gives them (its dtype; keys after RoPE): `turn`, (positions `[batch, new]`,
+        float64 frequencies, channel order or None) on their device, turns keys back to before RoPE first
+        (`kernels.undo_rope`). Codecs with a fused path write them into their storage directly."""
+        self.append(x.float() if turn is None else kernels.undo_rope(x.float(), *turn))
+
+    def append_rotated(self, x: torch.Tensor, rotation: int) -> None:
+        """Encode `hadamard.rotate(x)` (the rotation of `RotatedCodec`, a block of `rotation` channels): codecs that
+        rotate inside their kernel take `x` as it is."""
+        self.append(rotate(x))
+
     @abstractmethod
     def layout(self) -> kernels.StreamLayout:
         """The packed storage as the ops read it (only once something is stored)."""
@@ -39,6 +51,11 @@ class StreamCodec(ABC):
     def observe(self, energy: torch.Tensor, first: int) -> None:  # noqa: B027 - a hook most codecs leave empty
         """Queries' channel energies `[batch, heads, n, dim]` at absolute positions `first...` (see `adaptive`); most
         codecs ignore them."""
+
+    def observe_one(self, query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, position: int) -> None:
+        """`observe` of one position's queries `[batch, q_heads, rows, dim]` (a decoding step; `order`: the canonical
+        channel order, or None)."""
+        self.observe(kernels.query_energy(query, order, kv_heads, True), position)
 
     @abstractmethod
     def state_names(self) -> tuple[str, ...]:
@@ -83,27 +100,40 @@ class StreamCodec(ABC):
                 setattr(self, name, fn(value))
         self._release_rows()
 
-    def _append_rows(self, name: str, new: State) -> None:
-        """Append `new` after the state attribute `name` along the sequence, in a buffer with room (`GrowingRows`)
-        kept for that attribute."""
+    def _reserve(self, name: str, add: int, make: Callable[[int], State], minimum: int = 0) -> tuple[State, int]:
+        """The buffer behind state attribute `name` and the sequence row where `add` new rows go, grown first when it
+        lacks room (a new buffer with room, `GrowingRows`; `make(rows)` allocates the first, exactly). Write the rows
+        (a kernel writes them in place), then `_commit_rows`. `minimum`: the rows a grown buffer holds at least."""
         rows = self.__dict__.setdefault("_growing", {}).setdefault(name, GrowingRows())
         if rows.view is not getattr(self, name):  # replaced since (batch reorder, crop, drop): grow from it
             rows.reset(getattr(self, name))
-        setattr(self, name, rows.append(new))
-
-    def _room(self, name: str, add: int) -> tuple[State, int] | None:
-        """The buffer behind state attribute `name` and the sequence row where `add` new rows go, when it already has
-        room for them past the rows stored (None: append through `_append_rows`). Write the rows, then
-        `_commit_rows`."""
-        rows = self.__dict__.get("_growing", {}).get(name)
-        if rows is None or rows.buffer is None or rows.view is None or rows.view is not getattr(self, name):
-            return None
-        have = _rows(rows.view)
-        return (rows.buffer, have) if _rows(rows.buffer) >= have + add else None
+        return rows.reserve(add, make, minimum)
 
     def _commit_rows(self, name: str, add: int) -> None:
-        """State attribute `name` covers the `add` rows written into its buffer past it (`_room`)."""
+        """State attribute `name` covers the `add` rows written into its buffer past it (`_reserve`)."""
         setattr(self, name, self._growing[name].extend(add))
+
+    def _drop_rows(self, name: str, drop: int, keep_room: int = 0) -> None:
+        """State attribute `name` without its first `drop` rows: when that is all of them and its buffer holds at most
+        `keep_room` rows, the buffer is kept for the next rows (an empty view of it: a decoding step's room); else the
+        rest is copied out (`quant.owned`) and the buffer let go."""
+        rows = self.__dict__.get("_growing", {}).get(name)
+        value = getattr(self, name)
+        if rows is not None and rows.view is value and drop == _rows(value) and _rows(rows.buffer) <= keep_room:
+            setattr(self, name, rows.clear())
+        else:
+            setattr(self, name, _map(value, lambda t: owned(t[:, :, drop:])))
+            self._release_rows()
+
+    def ensure_room(self, rows: int) -> None:
+        """Room for `rows` more tokens in every buffer that grows by the token (grown now, with room, if short): a
+        decoding step that codes a group grows what the steps up to the next one need, so those grow nothing."""
+        for name, growing in self.__dict__.get("_growing", {}).items():
+            if growing.view is getattr(self, name) and growing.view is not None and name in self.token_rows:
+                growing.ensure(rows)
+                setattr(self, name, growing.view)
+
+    token_rows: tuple[str, ...] = ()  # state attributes with one row per token (`ensure_room` grows them)
 
     def _release_rows(self) -> None:
         """After state attributes were replaced (not appended to): let go of the buffers behind the old views, so that
@@ -113,12 +143,45 @@ class StreamCodec(ABC):
                 rows.reset(getattr(self, name))
 
 
+_GROWTH: list[list] = []  # open `batched_growth` scopes: the row copies of the buffers grown inside each
+
+
+@contextlib.contextmanager
+def batched_growth():
+    """Within: a grown buffer's stored rows are copied at the end, all in one `kernels.copy_rows` (one launch on a GPU
+    for the tail, the values and the positions a step grows). What runs inside writes only the new rows of a grown
+    buffer and reads none of its old ones."""
+    _GROWTH.append([])
+    try:
+        yield
+    finally:
+        kernels.copy_rows(_GROWTH.pop())
+
+
+def move_rows(grown: State, stored: State) -> None:
+    """Copy `stored` into the first rows of `grown` (its new, larger buffer): now, or at the end of the open
+    `batched_growth`."""
+    pairs = (
+        list(zip(stored.tensors(), grown.tensors(), strict=True))
+        if isinstance(stored, QuantizedTensor)
+        else [(stored, grown)]
+    )
+    if _GROWTH:
+        _GROWTH[-1].extend(pairs)
+    else:
+        kernels.copy_rows(pairs)
+
+
 # Room a growing store keeps for later appends (decoding), as a fraction of what it holds (at least ROOM_MIN tokens):
 # appending a token then copies nothing most of the time, and a regrowth copies the history once per 1/ROOM_FRACTION
 # of its length. The first append (a prefill) gets no room. The room is held memory, so `nbytes` counts it (the
 # buffer's whole storage).
 ROOM_FRACTION = 32
 ROOM_MIN = 1
+# A decoding step of a grouped key stream (the adaptive keys) grows nothing between the steps that code a group: the
+# raw tail keeps room for a group, the values and positions for the tokens up to the next group's end. Streams
+# shorter than this many groups grow as above instead (room for a group ahead would be most of what they hold).
+ROOM_AHEAD_GROUPS = 2
 
 
 class GrowingRows:
@@ -131,18 +194,34 @@ class GrowingRows:
         self.buffer: State = None
         self.view: State = None
 
-    def append(self, new: State) -> State:
+    def reserve(self, add: int, make: Callable[[int], State], minimum: int = 0) -> tuple[State, int]:
+        """(buffer, first new row) with room for `add` more rows: the first rows get a buffer of their own size
+        (`make`), later ones a grown copy with `ROOM_FRACTION` of room (at least `minimum` rows in all)."""
         have = 0 if self.view is None else _rows(self.view)
-        add = _rows(new)
-        if self.buffer is None or _rows(self.buffer) < have + add or self.view is None:
-            room = 0 if self.view is None else max(ROOM_MIN, (have + add) // ROOM_FRACTION)
-            capacity = have + add + room
-            grown = _map(new, lambda t: t.new_empty(*t.shape[:2], capacity, *t.shape[3:]))
-            if self.view is not None:
-                write_rows(grown, self.view, 0)
+        if self.buffer is None or self.view is None or _rows(self.buffer) < have + add:
+            if self.view is None:
+                grown = make(add)
+            else:
+                capacity = max(have + add + max(ROOM_MIN, (have + add) // ROOM_FRACTION), minimum)
+                grown = _map(self.view, lambda t: t.new_empty(*t.shape[:2], capacity, *t.shape[3:]))
+                move_rows(grown, self.view)
             self.buffer = grown
-        write_rows(self.buffer, new, have)
-        return self.extend(add)
+        return self.buffer, have
+
+    def ensure(self, add: int) -> None:
+        """Room for `add` more rows past the view (grown, copied once, with at least that much room)."""
+        have = _rows(self.view)
+        if self.buffer is None or _rows(self.buffer) < have + add:
+            capacity = have + max(add, ROOM_MIN, have // ROOM_FRACTION)
+            grown = _map(self.view, lambda t: t.new_empty(*t.shape[:2], capacity, *t.shape[3:]))
+            move_rows(grown, self.view)
+            self.buffer = grown
+            self.view = _map(grown, lambda t: t[:, :, :have])
+
+    def clear(self) -> State:
+        """No rows stored, the buffer kept for the next ones."""
+        self.view = _map(self.buffer, lambda t: t[:, :, :0])
+        return self.view
 
     def extend(self, add: int) -> State:
         """The view grown over `add` rows already written into the buffer past it."""

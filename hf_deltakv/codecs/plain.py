@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import SEARCHABLE_KINDS, get_format, owned
+from ..quant import SEARCHABLE_KINDS, QuantizedTensor, get_format, owned
 from .base import StreamCodec
 
 
@@ -25,19 +25,24 @@ class PlainCodec(StreamCodec):
         self.search_scale = search_scale
         self.stored = None
 
+    token_rows = ("stored",)
+
     def state_names(self) -> tuple[str, ...]:
         return ("stored",)
 
     def append(self, x: torch.Tensor) -> None:
-        # A decoded token goes straight into the room of the stored rows (the dispatched kernel, same bytes); a
-        # prefill, or a full buffer, through a new quantized tensor.
-        room = self._room("stored", x.shape[2]) if x.shape[2] == 1 else None
-        if room is not None:
-            kernels.quantize_at(x, self.fmt, self.search_scale, *room)
-            self._commit_rows("stored", x.shape[2])
-        else:
-            self._append_rows("stored", kernels.quantize(x, self.fmt, self.search_scale))
-        self.length += x.shape[2]
+        self.append_rotated(x, 0)
+
+    def append_rotated(self, x: torch.Tensor, rotation: int) -> None:
+        # New tokens are quantized straight into the room of the stored rows (`kernels.quantize_at`: the rotation,
+        # the quantizer and the write are one kernel on GPUs; the same bytes everywhere).
+        batch, heads, n, dim = x.shape
+        fmt = get_format(self.fmt)
+        target, at = self._reserve("stored", n, lambda rows: QuantizedTensor.empty(fmt, (batch, heads, rows), dim,
+                                                                                    x.device))  # fmt: skip
+        kernels.quantize_at(x, self.fmt, self.search_scale, target, at, rotation)
+        self._commit_rows("stored", n)
+        self.length += n
 
     def droppable(self, tokens: int) -> int:
         return min(tokens, self.length)

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from .. import kernels
-from ..kernels.hadamard import rotate, rotation_block
+from ..kernels.hadamard import rotation_block
 from .base import StreamCodec
 
 
@@ -37,7 +37,13 @@ class RotatedCodec(StreamCodec):
         self.inner.map_batch(fn)
 
     def append(self, x: torch.Tensor) -> None:
-        self.inner.append(rotate(x))
+        self.inner.append_rotated(x, rotation_block(x.shape[-1]))
+
+    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
+        self.append(x if turn is None else kernels.undo_rope(x.float(), *turn))
+
+    def ensure_room(self, rows: int) -> None:
+        self.inner.ensure_room(rows)
 
     def droppable(self, tokens: int) -> int:
         return self.inner.droppable(tokens)

@@ -2,9 +2,31 @@
 
 This is the one dispatch point. On the CPU, ops with a compiled kernel use it (`cpu/`, built on first use); on
 CUDA (NVIDIA, and AMD through ROCm builds of PyTorch, which also report `cuda` devices) Triton kernels run when
-Triton is installed; everything else runs the reference (`reference.py`). `HF_DELTAKV_KERNELS=reference` forces the
-reference everywhere (`KERNEL_CHOICES`). Ops take plain tensors and the stream descriptions of `layout.py`, never
+Triton is installed; everything else runs the reference (`reference.py`). `HF_DELTAKV_KERNELS` chooses otherwise
+(`KERNEL_CHOICES`): `reference` forces the reference everywhere, `triton` takes the branch a CUDA device takes on any
+device (Triton where a kernel exists, else the reference, never C++; CPU tensors need `TRITON_INTERPRET=1`), so the
+GPU path runs and is counted without a GPU. Ops take plain tensors and the stream descriptions of `layout.py`, never
 codec objects.
+
+The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kernel tested against `reference.py`):
+
+    quantize           cpu/encode.cpp              | triton/quantize.py (not with a searched scale)
+    quantize_at        cpu/encode.cpp (one token)  | triton/append.py (q4_0 family: rotate + search + pack)
+    undo_rope_into     cpu undo_rope + a copy      | triton/append.py
+    add_query_energy   cpu query_energy + an add   | triton/append.py
+    query_energy       cpu                         | -
+    allocate_depths    cpu                         | - (inside code_groups on GPUs)
+    pack_planes        cpu                         | - (inside code_groups on GPUs)
+    code_groups        allocate_depths+pack_planes | triton/adaptive_code.py (a group's whole coding, one launch)
+    copy_rows          -                           | triton/copy.py (grown storage, 8 copies a launch)
+    decode_stream      cpu (adaptive groups)       | -
+    decode_into        via decode_stream           | triton/reconstruct.py (adaptive keys, plain values)
+    code_delta         cpu/encode.cpp              | -
+    delta_encode_groups -                          | triton/delta_encode.py
+    stream_attention   cpu/stream_attention.cpp    | triton/adaptive_attention.py (adaptive keys + plain values),
+                       (plain, delta streams)      |   delta_attention.py (delta keys), decode_attention.py (plain)
+    latent ops         cpu/latent.cpp              | triton/latent.py (dequantize only)
+    sparse_matvec      cpu/sparse_matvec.cpp       | triton/sparse_matvec.py
 """
 
 from __future__ import annotations
@@ -16,9 +38,10 @@ import os
 
 import torch
 
-from ..quant import Kind, QuantizedTensor, get_format
+from ..quant import Kind, QuantizedTensor, get_format, saturate_fp16
 from ..quant.bitpack import GROUP
 from . import reference
+from .hadamard import rotate
 from .layout import (
     AdaptiveStream,
     ChannelStream,
@@ -39,8 +62,11 @@ __all__ = [
     "SnapshotSchedule",
     "StreamKind",
     "StreamLayout",
+    "add_query_energy",
     "allocate_depths",
     "code_delta",
+    "code_groups",
+    "copy_rows",
     "decode_stream",
     "delta_encode_groups",
     "dequantize_latent",
@@ -56,6 +82,7 @@ __all__ = [
     "stream_attention",
     "triton_available",
     "undo_rope",
+    "undo_rope_into",
     "use_triton",
 ]
 
@@ -68,8 +95,8 @@ def triton_available() -> bool:
 
 # Values of HF_DELTAKV_KERNELS: "auto" (the default) runs kernels where they run, building the CPU ones on first use;
 # "prebuilt" uses the CPU kernels only if they are already built (never waits for a build); "reference" runs the
-# PyTorch references everywhere.
-KERNEL_CHOICES = ("auto", "prebuilt", "reference")
+# PyTorch references everywhere; "triton" runs every op as on a CUDA device (the GPU path), on any device.
+KERNEL_CHOICES = ("auto", "prebuilt", "reference", "triton")
 
 
 def kernel_choice() -> str:
@@ -102,13 +129,29 @@ def forced_reference() -> bool:
 
 def use_triton(device: torch.device | str) -> bool:
     """Whether ops on `device` run as Triton kernels (see module docstring)."""
-    return not forced_reference() and torch.device(device).type == "cuda" and triton_available()
+    choice = kernel_choice()
+    if choice == "triton":
+        _check_forced_triton(torch.device(device))
+        return True
+    return choice != "reference" and torch.device(device).type == "cuda" and triton_available()
+
+
+def _check_forced_triton(device: torch.device) -> None:
+    """`HF_DELTAKV_KERNELS=triton` needs Triton, and on anything but a GPU its interpreter (chosen when a kernel is
+    defined, so set before Triton is imported)."""
+    if not triton_available():
+        raise ImportError("HF_DELTAKV_KERNELS=triton needs Triton: pip install 'hf-deltakv[triton]'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError(
+            f"HF_DELTAKV_KERNELS=triton on {device.type} tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before Triton is imported"
+        )
 
 
 def _cpu_extension(device: torch.device):
     """The compiled CPU kernels when `device` is the CPU and they are built (or can be), else None."""
     choice = kernel_choice()
-    if device.type != "cpu" or choice == "reference":
+    if device.type != "cpu" or choice in ("reference", "triton"):
         return None
     from .cpu import extension, prebuilt
 
@@ -140,16 +183,60 @@ def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> Quantized
     return reference.quantize(x, fmt, search_scale)
 
 
-def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int) -> None:
-    """`reference.quantize_at` (new tokens quantized into growing storage, in place), dispatched: one token per head
-    is written by the C++ kernel on the CPU (the bytes of `quantize`, tested), anything else is quantized by
-    `quantize` and copied in."""
+def quantize_at(
+    x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, rotation: int = 0
+) -> None:
+    """`reference.quantize_at` (new tokens, rotated first when `rotation`, quantized into growing storage, in place),
+    dispatched: the Triton kernel on GPUs (q4_0 family: rotation, search and packing in one launch), the C++ kernel on
+    the CPU for one token per head; anything else rotates, quantizes by `quantize` and copies the rows in. The bytes
+    of `quantize` on every path (tested)."""
+    if use_triton(x.device):
+        from .triton.append import quantize_at as kernel
+        from .triton.append import serves_quantize
+
+        if serves_quantize(fmt, x.shape[-1]) and _rows_contiguous(target):
+            return kernel(x, fmt, search_scale, target, at, rotation)
     compiled = _cpu_extension(x.device) if x.shape[2] == 1 and _encodes(fmt, x.shape[-1]) else None
-    if compiled is None or x.dtype != torch.float32:  # the dispatched `quantize` (Triton on GPUs), then a copy
-        return reference.write_rows(target, quantize(x, fmt, search_scale), at)
+    if compiled is None:  # the dispatched `quantize` (Triton on GPUs), then a copy
+        rows = rotate(x) if rotation else x.float()
+        return reference.write_rows(target, quantize(rows, fmt, search_scale), at)
     from .cpu.encode import quantize_at as kernel
 
-    kernel(x, fmt, search_scale, target, at, compiled)
+    kernel(x.float(), fmt, search_scale, target, at, rotation, compiled)
+
+
+def _rows_contiguous(target: QuantizedTensor) -> bool:
+    """Each stored row of `target` (past the sequence dimension) contiguous, as the append kernels write them."""
+    return all(t.stride(-1) == 1 and (t.dim() < 5 or t.stride(-2) == t.shape[-1]) for t in target.tensors())
+
+
+def undo_rope_into(
+    keys: torch.Tensor,
+    positions: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    target: torch.Tensor,
+    at: int,
+) -> None:
+    """`reference.undo_rope_into` (new keys turned back by their RoPE into fp16 storage with room), dispatched: one
+    Triton launch on GPUs; elsewhere `undo_rope` (C++ on the CPU) and a copy. The same floats (tested)."""
+    dim = keys.shape[-1]
+    if use_triton(keys.device) and dim >= 2 and not dim & (dim - 1) and target.stride(-1) == 1:
+        from .triton.append import undo_rope_into as kernel
+
+        return kernel(keys, positions, freqs, order, target, at)
+    x = keys.float() if freqs is None else undo_rope(keys.float(), positions, freqs, order)
+    target[:, :, at : at + x.shape[2]] = saturate_fp16(x)
+
+
+def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`reference.copy_rows` (grown storage: each buffer's stored rows copied into its new one), dispatched: one
+    Triton launch for up to eight copies on GPUs, a copy each elsewhere."""
+    if pairs and use_triton(pairs[0][0].device):
+        from .triton.copy import copy_rows as kernel
+
+        pairs = kernel(pairs)
+    reference.copy_rows(pairs)
 
 
 def undo_rope(
@@ -175,6 +262,21 @@ def query_energy(query: torch.Tensor, order: torch.Tensor | None, kv_heads: int,
     grouped = query.float().reshape(batch, kv_heads, groups, 1 if one_position else rows, dim).contiguous()
     empty = query.new_empty(0, dtype=torch.long)
     return compiled.query_energy(grouped, empty if order is None else order)
+
+
+def add_query_energy(
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
+) -> torch.Tensor:
+    """`reference.add_query_energy` (one position's query energies added to the encoder's running sum, a new
+    tensor), dispatched: one Triton launch on GPUs, `query_energy` (C++ on the CPU) and an add elsewhere. The same
+    floats (tested)."""
+    dim = query.shape[-1]
+    if use_triton(query.device) and dim >= 2 and not dim & (dim - 1):
+        from .triton.append import add_query_energy as kernel
+
+        return kernel(query, order, kv_heads, total if total is None else total.contiguous())
+    energy = query_energy(query, order, kv_heads, True)[:, :, 0]
+    return energy if total is None else total + energy
 
 
 def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:
@@ -203,6 +305,21 @@ def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
     return reference.decode_adaptive(stream, start, end, groups)
 
 
+def decode_into(
+    stream: StreamLayout, out: torch.Tensor, rope: RopeAngles | None = None, order: torch.Tensor | None = None
+) -> None:
+    """`reference.decode_into` (a stream decoded into the history a prefill's attention reads, in its dtype),
+    dispatched: one Triton launch for adaptive keys or plain values on GPUs (no full-precision copy); elsewhere the
+    reference, chunk by chunk through the dispatched `decode_stream` (C++ for adaptive groups on the CPU)."""
+    if use_triton(out.device):
+        from .triton.reconstruct import decode_into as kernel
+        from .triton.reconstruct import serves
+
+        if serves(stream, out):
+            return kernel(stream, out, rope, order)
+    reference.decode_into(stream, out, rope, order, decode=decode_stream)
+
+
 def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """`quant.bitplanes.pack_planes`, dispatched: the C++ kernel on the CPU (the same bytes, tested)."""
     compiled = _cpu_extension(codes.device)
@@ -214,6 +331,28 @@ def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     total = int(bits.reshape(-1, dim)[0].long().sum()) if bits.numel() else 0
     flat = compiled.pack_planes(codes.reshape(-1, group, dim), bits.reshape(-1, dim), total)
     return flat.view(*lead, total, group // 8)
+
+
+def code_groups(
+    tail: torch.Tensor,
+    pad: int,
+    groups: int,
+    weights: torch.Tensor | None,
+    total: int,
+    clip_range: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    at: int,
+) -> None:
+    """`reference.code_groups` (the adaptive keys' coding of complete groups, written into their storage's rows),
+    dispatched: one Triton launch on GPUs; elsewhere the reference with the depths and planes of `allocate_depths`
+    and `pack_planes` (C++ on the CPU). The same bytes (tested)."""
+    if use_triton(tail.device):
+        from .triton.adaptive_code import code_groups as kernel
+        from .triton.adaptive_code import serves
+
+        if serves(tail.shape[-1], out[0].shape[-1] * 8) and all(t.stride(-1) == 1 for t in out):
+            return kernel(tail, pad, groups, weights, total, clip_range, out, at)
+    reference.code_groups(tail, pad, groups, weights, total, clip_range, out, at, allocate_depths, pack_planes)
 
 
 def code_delta(x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool):
@@ -270,7 +409,8 @@ def dequantize_latent(
 ) -> torch.Tensor:
     """`reference.dequantize_latent` (residual reconstruction: packed groups to the latent), dispatched: the Triton
     kernel on GPUs, the C++ kernel on the CPU; the same values on every path (tested). `out` (fp32, or bf16: each
-    value rounded from the fp32 one), when given, receives the latent and is returned."""
+    value rounded from the fp32 one; its leading dimensions may be the packed rows' flattened), when given, receives the
+    latent and is returned."""
     if out is not None and (out.dtype not in (torch.float32, torch.bfloat16) or out.shape[-1] != len(bits) * GROUP):
         raise ValueError(f"out must be float32 or bfloat16 [..., {len(bits) * GROUP}], got {out.dtype} {out.shape}")
     triton = use_triton(packed.device)
@@ -281,7 +421,7 @@ def dequantize_latent(
         else:
             kernel = reference.dequantize_latent
         latent = kernel(packed, scales, bits)
-        return latent if out is None else out.copy_(latent)
+        return latent if out is None else out.copy_(latent.reshape(out.shape))  # `out` may flatten the leading dims
     lead = packed.shape[:-1]
     flat_packed, flat_scales = packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1])
     flat_out = _NONE if out is None else out.view(-1, out.shape[-1])

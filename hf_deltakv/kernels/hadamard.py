@@ -8,6 +8,7 @@ dot products nor, once undone, the decoded values beyond quantization error.
 from __future__ import annotations
 
 import math
+import struct
 from functools import lru_cache
 
 import torch
@@ -26,8 +27,16 @@ def rotation_block(dim: int) -> int:
 
 
 @lru_cache(maxsize=16)
+def rotation_scale(block: int) -> float:
+    """The normalisation `1 / sqrt(block)` as the fp32 number every implementation multiplies by (the one definition:
+    the C++ and Triton kernels are handed this value)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(block)))[0]
+
+
+@lru_cache(maxsize=16)
 def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal `n × n` Hadamard matrix (Sylvester's construction, `n` a power of two), fp32 on the CPU."""
+    """The orthonormal `n × n` Hadamard matrix (Sylvester's construction, `n` a power of two), fp32 on the CPU: what
+    `rotate` multiplies by (up to rounding)."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -35,18 +44,31 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 def rotation_matrix(dim: int, block: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The `dim × dim` block-diagonal matrix `H` with `rotate(x) == x @ H` (identity when `block` is 0)."""
+    """The `dim × dim` block-diagonal matrix `H` with `rotate(x) == x @ H` up to rounding (identity when `block` is
+    0)."""
     if not block:
         return torch.eye(dim, device=device)
     return torch.block_diag(*[hadamard(block)] * (dim // block)).to(device)
 
 
 def rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Apply (or undo) the block-diagonal Hadamard rotation along the last dimension, in fp32."""
+    """Apply (or undo: the matrix is its own inverse) the block-diagonal Hadamard rotation along the last dimension,
+    in fp32.
+
+    Computed by Walsh-Hadamard butterflies: stages `h = 1, 2, 4, ...` turn each pair of channels `(i, i + h)` of a
+    block (bit `h` of `i` clear) into `(a + b, a - b)`, then every channel is multiplied by `rotation_scale(block)`.
+    Each row is rotated on its own by the same fp32 operations in the same order, so a token's rotation does not
+    depend on what is rotated with it (a matrix product's rounding does), and the C++ and Triton kernels, which
+    follow these steps, give the same floats."""
+    del inverse  # Sylvester's H is symmetric and orthogonal: H^-1 = H
     dim = x.shape[-1]
     block = rotation_block(dim)
-    h = hadamard(block).to(x.device)
-    if inverse:
-        h = h.T
-    y = x.float().reshape(*x.shape[:-1], dim // block, block) @ h
-    return y.reshape(*x.shape[:-1], dim)
+    y = x.float()
+    lead = y.shape[:-1]
+    h = 1
+    while h < block:
+        pairs = y.reshape(*lead, dim // (2 * h), 2, h)
+        a, b = pairs.select(-2, 0), pairs.select(-2, 1)
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, dim)
+        h *= 2
+    return y * rotation_scale(block)

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.stored import stored_pair
-from ..codecs.base import ROOM_FRACTION, ROOM_MIN
+from ..codecs.base import ROOM_FRACTION, ROOM_MIN, batched_growth, move_rows
 from ..kernels.layout import RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
 from ..quant import FP16_MAX, nbytes_of, owned, saturate_fp16
@@ -119,7 +119,8 @@ class StreamLayer(CacheLayerMixin):
             self._check_continuation(key_states, value_states)
         saved = self._saved_for_update()
         try:
-            self._update(key_states, value_states, kwargs)
+            with batched_growth():  # the buffers this update grows are copied in one op
+                self._update(key_states, value_states, kwargs)
         except BaseException:
             self._restore(saved)
             raise
@@ -136,7 +137,8 @@ class StreamLayer(CacheLayerMixin):
         if not new:
             return
         if self.rope is not None:
-            self.positions.record(start, new, _position_ids(kwargs, start, new, key_states))
+            ids = _position_ids(kwargs, start, new, key_states)
+            self.positions.record(start, new, ids, self._room_ahead(start, new))
         sink_new = min(max(self.sink_tokens - start, 0), new)
         if sink_new:
             sk, sv = self._to_sink(key_states[:, :, :sink_new]), self._to_sink(value_states[:, :, :sink_new])
@@ -159,6 +161,10 @@ class StreamLayer(CacheLayerMixin):
         want = visible - self.sink_tokens - self.evicted
         if want > 0:
             self.evicted += self._drop_stream_front(want)
+
+    def _room_ahead(self, start: int, new: int) -> int:
+        """Tokens of room to make before storing `new` tokens at position `start` (default: none, grow as needed)."""
+        return 0
 
     def _drop_stream_front(self, tokens: int) -> int:
         """Drop up to `tokens` tokens from the front of the stream's storage; returns how many (default: none)."""
@@ -276,29 +282,38 @@ class StreamLayer(CacheLayerMixin):
             yield stream
 
     def _rope_angles(self, begin: int, end: int) -> RopeAngles:
-        """The RoPE of tokens at positions `begin:end` of this layer (angles computed when used, never kept)."""
-        return RopeAngles(self.positions.ids[:, begin:end], self.rope.freqs)
+        """The RoPE of tokens at positions `begin:end` of this layer (angles computed when used, never kept; the
+        frequencies on the positions' device)."""
+        ids = self.positions.ids[:, begin:end]
+        return RopeAngles(ids, self.rope.on(ids.device)[0])
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (with RoPE, as attention reads them) and values of every visible cached token, as the cache stores
-        them (`[batch, kv_heads, tokens, dim]` in the model's dtype)."""
-        keys_parts, value_parts = [], []
-        if self.sink_keys is not None:
-            keys_parts.append(self.sink_keys.to(self.dtype))
-            value_parts.append(self.sink_values.to(self.dtype))
-        stream = self._decode_stream()
-        if stream is not None:  # (a reconstruction may reach past the inputs' range: fp16 saturates, never inf)
-            convert = saturate_fp16 if self.dtype == torch.float16 else (lambda t: t.to(self.dtype))
-            keys_parts.append(convert(stream[0]))
-            value_parts.append(convert(stream[1]))
-        if not keys_parts:  # nothing cached yet
-            empty = (self.batch_size, self.kv_heads, 0)
-            return torch.empty(*empty, self.head_dim, dtype=self.dtype), torch.empty(
-                *empty, self.value_dim, dtype=self.dtype
-            )
+        them (`[batch, kv_heads, tokens, dim]` in the model's dtype), written into one buffer each: the sinks, then
+        the stream (`_decode_stream_into`), with no full-precision copy of the history beyond a chunk."""
+        sinks = 0 if self.sink_keys is None else self.sink_keys.shape[2]
+        held = sinks + self._stream_length()
+        shape = (self.batch_size, self.kv_heads, held)
+        keys = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.empty(*shape, self.value_dim, dtype=self.dtype, device=self.device)
+        if sinks:
+            keys[:, :, :sinks], values[:, :, :sinks] = self.sink_keys, self.sink_values
+        if held > sinks:  # (a reconstruction may reach past the inputs' range: fp16 saturates, never inf)
+            self._decode_stream_into(keys[:, :, sinks:], values[:, :, sinks:])
         leading = self.visible - self._first_stored()
-        keys, values = torch.cat(keys_parts, dim=2), torch.cat(value_parts, dim=2)
         return (keys[:, :, leading:], values[:, :, leading:]) if leading > 0 else (keys, values)
+
+    def _stream_length(self) -> int:
+        """Tokens held in the stream."""
+        return max(self.cumulative_length - self.sink_tokens, 0) - self.evicted
+
+    def _decode_stream_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The stream's keys (with RoPE) and values written into `keys` and `values` (the model's dtype; default:
+        decoded whole by `_decode_stream`, then converted)."""
+        stream = self._decode_stream()
+        convert = saturate_fp16 if self.dtype == torch.float16 else (lambda t: t.to(self.dtype))
+        keys.copy_(convert(stream[0]))
+        values.copy_(convert(stream[1]))
 
     @abstractmethod
     def _clear_stream(self) -> None:
@@ -454,7 +469,8 @@ def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> tor
         ids = kwargs["kwargs"].get("position_ids")
     if ids is None:
         ids = torch.arange(start, start + new, device=like.device).unsqueeze(0)
-    ids = ids.to(like.device)
+    if ids.device != like.device:
+        ids = ids.to(like.device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     if ids.shape[-1] != new:
@@ -497,26 +513,24 @@ class PositionLog:
         self.ids: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
 
-    def record(self, start: int, new: int, ids: torch.Tensor) -> None:
+    def record(self, start: int, new: int, ids: torch.Tensor, ahead: int = 0) -> None:
+        """Record the positions `ids` `[batch, new]` of tokens `start...` (once: later layers find them recorded),
+        keeping room for `ahead` positions from `start` on when the buffer has to grow (a layer's `_room_ahead`)."""
         have = 0 if self.ids is None else self.ids.shape[1]
         if have >= start + new:
             return
         if have != start:
             raise ValueError(f"position log holds {have} tokens but a layer appended at {start}")
-        ids = ids.to(torch.int32)
+        need = max(new, ahead)
         buffer = self._buffer
-        if (
-            self.ids is None
-            or buffer is None
-            or buffer.shape[1] < have + new
-            or self.ids.data_ptr() != buffer.data_ptr()
-        ):
+        stale = self.ids is None or buffer is None or self.ids.data_ptr() != buffer.data_ptr()
+        if stale or buffer.shape[1] < have + need:
             room = 0 if self.ids is None else max(ROOM_MIN, (have + new) // ROOM_FRACTION)
-            buffer = ids.new_empty(ids.shape[0], have + new + room)
+            buffer = torch.empty(ids.shape[0], have + max(new + room, need), dtype=torch.int32, device=ids.device)
             if self.ids is not None:
-                buffer[:, :have] = self.ids
+                move_rows(buffer[:, None], self.ids[:, None])
             self._buffer = buffer
-        buffer[:, have : have + new] = ids
+        buffer[:, have : have + new] = ids  # (converted to int32 by the copy)
         self.ids = buffer[:, : have + new]
 
     def nbytes(self) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import kernels
-from ..codecs.base import StreamCodec
+from ..codecs.base import ROOM_AHEAD_GROUPS, StreamCodec
 from ..kernels.online_softmax import CHUNK_TOKENS
 from ..rope import RopeForm
 from .base import PositionLog, StreamLayer
@@ -46,13 +46,26 @@ class CompressedLayer(StreamLayer):
         codecs += [c.inner for c in codecs if hasattr(c, "inner")]
         return [*super()._state_objects(), *codecs]
 
+    def _room_ahead(self, start: int, new: int) -> int:
+        """Tokens to hold room for when one token is decoded at position `start`: those up to the end of its key group,
+        and on the step that completes a group the next group's too. Storage then grows only on that step (and on the
+        first after a prompt), never on the steps between: a decoding step's launches stay few on every step. (None
+        for streams under `ROOM_AHEAD_GROUPS` groups.)"""
+        group = getattr(self.key_codec, "group", None)
+        if new != 1 or group is None or self.key_codec.length < ROOM_AHEAD_GROUPS * group:  # short: grow as needed
+            return 0
+        left = group - start % group  # (groups are aligned to absolute positions)
+        return left + group if left == 1 else left
+
     def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
-        keys = keys.float()
-        if self.rope is not None:
-            positions = self.positions.ids[:, begin : begin + keys.shape[2]]
-            keys = kernels.undo_rope(keys, positions, self.rope.freqs, self.rope.order)
-        self.key_codec.append(keys)
-        self.value_codec.append(values.float())
+        ahead = self._room_ahead(begin, keys.shape[2])
+        if ahead:
+            self.value_codec.ensure_room(ahead)
+        turn = None
+        if self.rope is not None:  # keys are coded before RoPE: turned back by their positions on the way in
+            turn = (self.positions.ids[:, begin : begin + keys.shape[2]], *self.rope.on(keys.device))
+        self.key_codec.append_model(keys, turn)
+        self.value_codec.append_model(values)
 
     def _stream_begin(self) -> int:
         """Position of the stream's first stored token."""
@@ -66,12 +79,24 @@ class CompressedLayer(StreamLayer):
             keys = self.rope.redo(keys, self.positions.ids[:, self._stream_begin() : self.cumulative_length])
         return keys, self.value_codec.decode()
 
+    def _decode_stream_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`kernels.decode_into` of both streams: on GPUs one kernel each, writing the model's dtype directly."""
+        rope, order = None, None
+        if self.rope is not None:
+            rope = self._rope_angles(self._stream_begin(), self.cumulative_length)
+            order = self.rope.on(keys.device)[1]
+        kernels.decode_into(self.key_codec.layout(), keys, rope, order)
+        kernels.decode_into(self.value_codec.layout(), values)
+
     def _observe_queries(self, query: torch.Tensor, positions: int) -> None:
         if not self.key_codec.observes_queries:
             return
-        order = self.rope.order if self.rope is not None else None
-        energy = kernels.query_energy(query, order, self.kv_heads, positions == 1)
-        self.key_codec.observe(energy, self.cumulative_length - positions)
+        order = self.rope.on(query.device)[1] if self.rope is not None else None
+        first = self.cumulative_length - positions
+        if positions == 1:  # a decoding step: one kernel adds the queries' energies to the running sum
+            self.key_codec.observe_one(query, order, self.kv_heads, first)
+            return
+        self.key_codec.observe(kernels.query_energy(query, order, self.kv_heads, False), first)
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Through `kernels.stream_attention`: the fused kernel where one applies, else the chunked reference."""

@@ -58,6 +58,17 @@ class QuantizedTensor:
         return QuantizedTensor(self.fmt, self.dim, fn(self.codes), scales, mins)
 
     @staticmethod
+    def empty(fmt: BlockFormat, lead: tuple[int, ...], dim: int, device: torch.device | str) -> QuantizedTensor:
+        """Uninitialised storage of `[*lead, dim]` in `fmt` (written in place by a quantizer)."""
+        if fmt.kind == Kind.F16:
+            return QuantizedTensor(fmt, dim, torch.empty(*lead, dim, dtype=torch.float16, device=device))
+        blocks = -(-dim // fmt.block_size)
+        codes = torch.empty(*lead, blocks, fmt.code_bytes, dtype=torch.uint8, device=device)
+        scales = torch.empty(*lead, blocks, dtype=torch.float16, device=device)
+        mins = torch.empty_like(scales) if fmt.kind == Kind.Q4_ASYM else None
+        return QuantizedTensor(fmt, dim, codes, scales, mins)
+
+    @staticmethod
     def cat(parts: list[QuantizedTensor], dim: int) -> QuantizedTensor:
         """Concatenate along a leading dimension `dim` (non-negative)."""
         first = parts[0]

@@ -168,9 +168,11 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
 
 // quantize_rows of one token per (batch, head), written in place at sequence row `at` of growing storage: x fp32
 // [B, H, dim] (rows contiguous); codes uint8 [B, H, rows, blocks, bytes], scales (and mins, or empty) fp16
-// [B, H, rows, blocks], each with its blocks contiguous (any strides on the leading dimensions).
+// [B, H, rows, blocks], each with its blocks contiguous (any strides on the leading dimensions). With `rotation` (a
+// Hadamard block size, 0: none) each row is first rotated as hf_deltakv.kernels.hadamard.rotate rotates it: the same
+// butterflies in the same order, then times `rotation_scale` (handed over from Python, the one definition).
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
-                      at::Tensor scales, at::Tensor mins, int64_t at) {
+                      at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale) {
   const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), n_blocks = dim / bs;
   const int64_t bytes = format == Q8 ? bs : bs / 2;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be fp32 [B, H, dim] with rows contiguous");
@@ -181,13 +183,29 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
   const bool asym = format == Q4_ASYM;
   TORCH_CHECK(!asym || (mins.dim() == 4 && mins.size(3) == n_blocks && mins.stride(3) == 1), "mins of another shape");
   TORCH_CHECK(0 <= at && at < codes.size(2) && at < scales.size(2), "row ", at, " outside the storage");
+  TORCH_CHECK(rotation == 0 || (rotation > 1 && dim % rotation == 0 && !(rotation & (rotation - 1))),
+              "rotation must be 0 or a power-of-two block dividing the row");
   const float* px = x.data_ptr<float>();
   uint8_t* pc = codes.data_ptr<uint8_t>();
   at::Half* ps = scales.data_ptr<at::Half>();
   at::Half* pm = asym ? mins.data_ptr<at::Half>() : nullptr;
+  const float norm = static_cast<float>(rotation_scale);
+  std::vector<float> turned(rotation ? dim : 0);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < heads; ++h) {
       const float* row = px + b * x.stride(0) + h * x.stride(1);
+      if (rotation) {
+        std::copy(row, row + dim, turned.begin());
+        for (int64_t step = 1; step < rotation; step *= 2)
+          for (int64_t base = 0; base < dim; base += 2 * step)
+            for (int64_t c = base; c < base + step; ++c) {
+              const float u = turned[c], w = turned[c + step];
+              turned[c] = u + w;
+              turned[c + step] = u - w;
+            }
+        for (int64_t c = 0; c < dim; ++c) turned[c] *= norm;
+        row = turned.data();
+      }
       uint8_t* c = pc + b * codes.stride(0) + h * codes.stride(1) + at * codes.stride(2);
       at::Half* s = ps + b * scales.stride(0) + h * scales.stride(1) + at * scales.stride(2);
       at::Half* m = pm ? pm + b * mins.stride(0) + h * mins.stride(1) + at * mins.stride(2) : nullptr;

@@ -7,6 +7,7 @@ import torch
 
 from ...quant import QuantizedTensor, get_format
 from ...quant.blocks import SCALE_SEARCH
+from ..hadamard import rotation_scale
 
 SEARCH_DIVISORS = [float(d) for d in SCALE_SEARCH[8]]  # q4_0's scale search (quant.quantize), as the kernel takes it
 
@@ -32,14 +33,17 @@ def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -
     return _packed(fmt, x.shape[:-1], dim, codes, scales, mins)
 
 
-def quantize_at(x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, extension) -> None:
-    """`reference.quantize_at` for one fp32 token per head, `x [batch, heads, 1, dim]`."""
+def quantize_at(
+    x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, rotation: int, extension
+) -> None:
+    """`reference.quantize_at` for one fp32 token per head, `x [batch, heads, 1, dim]` (rotated first when
+    `rotation`, the Hadamard block, is not 0)."""
     kind, block = int(get_format(fmt).kind), get_format(fmt).block_size
     empty = target.codes.new_empty(0, dtype=torch.float16)
     rows = x[:, :, 0] if x.stride(-1) == 1 else x[:, :, 0].contiguous()  # the kernel reads each row contiguous
     extension.quantize_rows_at(
         rows, kind, block, SEARCH_DIVISORS if search_scale else [], target.codes, target.scales,
-        empty if target.mins is None else target.mins, at,
+        empty if target.mins is None else target.mins, at, rotation, rotation_scale(rotation) if rotation else 1.0,
     )  # fmt: skip
 
 

@@ -5,8 +5,28 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import DeltaStream, PlainStream, RopeAngles, StreamLayout
+from ..layout import AdaptiveStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
 from ..online_softmax import OnlineSoftmax
+
+
+def KERNEL_MODULES() -> tuple:
+    """Every module of Triton kernels (the ahead-of-time compile and the launch counter walk them)."""
+    from . import (
+        adaptive_attention,
+        adaptive_code,
+        append,
+        copy,
+        decode_attention,
+        delta_attention,
+        delta_encode,
+        latent,
+        quantize,
+        reconstruct,
+        sparse_matvec,
+    )
+
+    return (adaptive_attention, adaptive_code, append, copy, decode_attention, delta_attention, delta_encode, latent,
+            quantize, reconstruct, sparse_matvec)  # fmt: skip
 
 
 def stream_attention(
@@ -21,10 +41,17 @@ def stream_attention(
     causal_offset: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """`reference.stream_attention` for one query per head through the Triton kernel that reads these streams, the
-    sink tokens merged by the reference's online softmax; None when no kernel reads them."""
+    """`reference.stream_attention` for one query per head through the Triton kernel that reads these streams (the
+    adaptive keys' kernels merge the sink tokens themselves; the others' are merged by the reference's online
+    softmax); None when no kernel reads them."""
     if n_queries != 1 or not isinstance(values, PlainStream):
         return None
+    if isinstance(keys, AdaptiveStream):
+        from .adaptive_attention import adaptive_attention, supports
+
+        if not supports(keys, values, mask):
+            return None
+        return adaptive_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale)
     cos = sin = None
     if rope is not None:  # full-width tables of this call only (the kernel reads rows of `dim`), on the device
         cos, sin = rope.cos_sin()

@@ -1,0 +1,350 @@
+"""What a decoding step costs on the GPU path, counted without a GPU: kernel launches, host-device syncs, bytes read.
+
+On a GPU a decoding step is bound by launches and syncs before bytes: every aten op that computes is at least one
+kernel launch, every Triton kernel is one, and a host-device sync (a tensor's value read on the host, an output
+whose size depends on the data, a tensor copied from the host) stalls the launch queue. The GPU path runs on CPU
+tensors (`HF_DELTAKV_KERNELS=triton`, Triton under `TRITON_INTERPRET=1`), so what it launches can be counted here:
+
+- `LaunchCounter` counts, per layer, the aten ops a cache's `update` and its attention call run (a
+  `TorchDispatchMode`; views, metadata and allocations launch nothing and are not counted), the Triton kernels they
+  launch (each counted once, its interpreted innards not at all), and the syncs: `_local_scalar_dense` (`.item()`,
+  `int()`, `bool()` of a tensor), ops whose output size depends on the data (`nonzero`, bool-mask indexing, ...),
+  `.tolist()`, and any `.to(device)`, `.cpu()`, `.cuda()` or `torch.tensor(..., device=)` (on the GPU path nothing
+  moves between host and device during a step: constants are made on the device once). The model's own work (its
+  linears, norms, mask) is outside the count, so DynamicCache's step is its two concatenations and one SDPA (one
+  fused aten op on the CPU, as on a GPU).
+- `LoadTracer` hooks the interpreter's loads and records, per program of each Triton launch, the distinct bytes it
+  loads (a program's own re-reads hit its caches on a GPU): summed over programs, what a kernel reads from memory.
+
+Both are measurement tools (benchmarks/gpu_path.py, the tests' budgets); nothing in the library imports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten ops that launch no kernel: views, metadata, allocation (an empty tensor is memory, not work).
+NO_LAUNCH = {
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "slice", "select", "expand", "unsqueeze", "squeeze",
+    "permute", "transpose", "t", "as_strided", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk",
+    "narrow", "diagonal", "view_as_real", "view_as_complex", "lift_fresh", "set_", "empty", "empty_strided",
+    "new_empty", "new_empty_strided", "empty_like", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+    "is_same_size", "_has_compatible_shallow_copy_type", "resolve_conj", "resolve_neg", "conj", "_neg_view",
+    "_conj", "unfold", "movedim", "swapaxes", "expand_as", "view_as", "squeeze_", "unsqueeze_", "transpose_",
+    "as_strided_", "_nested_tensor_size", "is_nonzero_",
+}  # fmt: skip
+# aten ops that read a value back to the host, or whose output size depends on the data (the host waits for it).
+SYNC_OPS = {
+    "_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "argwhere", "_unique", "_unique2",
+    "unique_dim", "unique_consecutive", "unique", "masked_scatter", "item",
+}  # fmt: skip
+
+
+def _name(func) -> str:
+    return func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+
+
+def _bool_index(args) -> bool:
+    """An `index`/`index_put` whose indices hold a bool (or uint8) mask: its size depends on the data."""
+    if len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+
+
+@dataclass
+class Tally:
+    """What one scope (one layer's update, or its attention call) ran."""
+
+    ops: Counter = field(default_factory=Counter)  # aten op name -> count (launches)
+    kernels: Counter = field(default_factory=Counter)  # Triton kernel name -> launches
+    syncs: Counter = field(default_factory=Counter)  # what synced -> count
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values()) + sum(self.kernels.values())
+
+    @property
+    def sync_count(self) -> int:
+        return sum(self.syncs.values())
+
+    def add(self, other: Tally) -> None:
+        self.ops.update(other.ops)
+        self.kernels.update(other.kernels)
+        self.syncs.update(other.syncs)
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counter: LaunchCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tally = self.counter._current()
+        if tally is not None:
+            name = _name(func)
+            if name in SYNC_OPS or (name in ("index", "index_put", "index_put_") and _bool_index(args)):
+                tally.syncs[name] += 1
+            if name not in NO_LAUNCH and name != "_local_scalar_dense":
+                tally.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _names_device(args, kwargs) -> bool:
+    """Whether a `.to(...)` call names a device (a device, a device string, or a tensor to match)."""
+    candidates = [*args, kwargs.get("device"), kwargs.get("other")]
+    return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in candidates if a is not None)
+
+
+class LaunchCounter:
+    """Counts what a cache's layers launch and sync, per layer and scope, while active (a context manager).
+
+    Args:
+        cache: the cache whose `update` is counted (each call attributed to its `layer_idx`).
+
+    Attention calls are counted through transformers' attention functions (every implementation registered in
+    `AttentionInterface`, attributed to the calling module's `layer_idx`). `steps` holds one dict per `step()`
+    scope: `{layer: {"update": Tally, "attention": Tally}}`.
+    """
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.steps: list[dict[int, dict[str, Tally]]] = []
+        self._scope: list[tuple[int, str]] = []
+        self._paused = 0
+        self._stack = contextlib.ExitStack()
+
+    def _current(self) -> Tally | None:
+        if self._paused or not self._scope or not self.steps:
+            return None
+        layer, part = self._scope[-1]
+        return self.steps[-1].setdefault(layer, {}).setdefault(part, Tally())
+
+    @contextlib.contextmanager
+    def scope(self, layer: int, part: str):
+        self._scope.append((layer, part))
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextlib.contextmanager
+    def step(self):
+        """One decoding step (one forward): its counts go to a new entry of `steps`."""
+        self.steps.append({})
+        yield self.steps[-1]
+
+    def _sync(self, what: str) -> None:
+        tally = self._current()
+        if tally is not None:
+            tally.syncs[what] += 1
+
+    def __enter__(self) -> LaunchCounter:
+        stack = self._stack
+        counter = self
+        update = self.cache.update
+
+        def counted_update(key_states, value_states, layer_idx, *args, **kwargs):
+            with counter.scope(layer_idx, "update"):
+                return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        self.cache.update = counted_update
+        stack.callback(lambda: self.cache.__dict__.pop("update", None))
+        self._wrap_attention(stack)
+        self._wrap_triton(stack)
+        self._wrap_tensor_methods(stack)
+        stack.enter_context(_Dispatch(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _wrap_attention(self, stack: contextlib.ExitStack) -> None:
+        from transformers.modeling_utils import AttentionInterface
+
+        mapping = AttentionInterface._global_mapping
+        saved = dict(mapping)
+        counter = self
+
+        def wrap(fn):
+            def counted(module, *args, **kwargs):
+                with counter.scope(getattr(module, "layer_idx", -1), "attention"):
+                    return fn(module, *args, **kwargs)
+
+            return counted
+
+        for key, fn in saved.items():
+            mapping[key] = wrap(fn)
+        stack.callback(lambda: (mapping.clear(), mapping.update(saved)))
+
+    def _wrap_triton(self, stack: contextlib.ExitStack) -> None:
+        """Every Triton launch counts once (interpreted or compiled), its interpreter's own torch calls not at all."""
+        counter = self
+        classes = []
+        with contextlib.suppress(ImportError):
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        with contextlib.suppress(ImportError):
+            from triton.runtime.jit import JITFunction
+
+            classes.append(JITFunction)
+        for cls in classes:
+            run = cls.run
+
+            def counted_run(fn, *args, _run=run, **kwargs):
+                tally = counter._current()
+                if tally is not None and not kwargs.get("warmup", False):
+                    tally.kernels[getattr(fn, "__name__", "triton")] += 1
+                with counter.paused():
+                    return _run(fn, *args, **kwargs)
+
+            cls.run = counted_run
+            stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
+
+    def _wrap_tensor_methods(self, stack: contextlib.ExitStack) -> None:
+        counter = self
+        originals = {"to": torch.Tensor.to, "cpu": torch.Tensor.cpu, "cuda": torch.Tensor.cuda,
+                     "tolist": torch.Tensor.tolist}  # fmt: skip
+
+        def to(t, *args, **kwargs):
+            if _names_device(args, kwargs):
+                counter._sync("to(device)")
+            return originals["to"](t, *args, **kwargs)
+
+        def moved(name):
+            def method(t, *args, **kwargs):
+                counter._sync(name)
+                return originals[name](t, *args, **kwargs)
+
+            return method
+
+        torch.Tensor.to = to
+        for name in ("cpu", "cuda", "tolist"):
+            setattr(torch.Tensor, name, moved(name))
+        factories = {"tensor": torch.tensor, "as_tensor": torch.as_tensor}
+
+        def factory(name):
+            def make(*args, **kwargs):
+                if kwargs.get("device") is not None:
+                    counter._sync(f"torch.{name}(device=)")
+                return factories[name](*args, **kwargs)
+
+            return make
+
+        for name in factories:
+            setattr(torch, name, factory(name))
+
+        def restore():
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+            for name, fn in factories.items():
+                setattr(torch, name, fn)
+
+        stack.callback(restore)
+
+
+def per_layer(step: dict[int, dict[str, Tally]]) -> dict[int, Tally]:
+    """A step's tallies summed over each layer's scopes."""
+    out = {}
+    for layer, parts in step.items():
+        total = Tally()
+        for tally in parts.values():
+            total.add(tally)
+        out[layer] = total
+    return out
+
+
+class LoadTracer:
+    """Distinct bytes loaded by each program of each interpreted Triton launch while active (a context manager).
+
+    `launches` holds `(kernel name, {program id: distinct bytes})` per launch. Needs `TRITON_INTERPRET=1`.
+    """
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, dict[tuple[int, int, int], int]]] = []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> LoadTracer:
+        from triton.runtime import interpreter
+
+        builder = interpreter.interpreter_builder
+        masked_load = builder.create_masked_load
+        tracer = self
+        current: dict = {}
+
+        def traced_load(ptrs, mask, other, cache_policy, is_volatile):
+            width = max(ptrs.get_element_ty().primitive_bitwidth // 8, 1)
+            addresses = np.asarray(ptrs.data).astype(np.uint64)[np.asarray(mask.data, dtype=bool)]
+            if addresses.size:
+                spans = (addresses[:, None] + np.arange(width, dtype=np.uint64)[None, :]).ravel()
+                current.setdefault(tuple(builder.grid_idx), []).append(spans)
+            return masked_load(ptrs, mask, other, cache_policy, is_volatile)
+
+        builder.create_masked_load = traced_load
+        self._stack.callback(lambda: setattr(builder, "create_masked_load", masked_load))
+        run = interpreter.InterpretedFunction.run
+
+        def traced_run(fn, *args, **kwargs):
+            current.clear()
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                programs = {pid: int(np.unique(np.concatenate(parts)).size) for pid, parts in current.items()}
+                tracer.launches.append((fn.__name__, programs))
+                current.clear()
+
+        interpreter.InterpretedFunction.run = traced_run
+        self._stack.callback(lambda: setattr(interpreter.InterpretedFunction, "run", run))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def bytes_by_kernel(self) -> dict[str, int]:
+        """Distinct bytes per program, summed over programs and launches, per kernel."""
+        out: dict[str, int] = defaultdict(int)
+        for name, programs in self.launches:
+            out[name] += sum(programs.values())
+        return dict(out)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Peak bytes of the tensors allocated while active (a context manager): every aten op's outputs are recorded
+    by storage (views share theirs), a storage being live while any tensor recorded over it is; `peak` is the largest
+    live total seen after an op, `live()` the total now. Tensors made before it started are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[int, list]] = {}  # data_ptr -> (bytes, weak references of its tensors)
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                key = t.untyped_storage().data_ptr()
+                size, refs = self.storages.get(key, (0, []))
+                if not any(r() is not None for r in refs):  # a new storage (or a freed one's address reused)
+                    size, refs = t.untyped_storage().nbytes(), []
+                refs.append(weakref.ref(t))
+                self.storages[key] = (max(size, t.untyped_storage().nbytes()), refs)
+        self.peak = max(self.peak, self.live())
+        return out
+
+    def live(self) -> int:
+        return sum(size for size, refs in self.storages.values() if any(r() is not None for r in refs))

@@ -1,0 +1,218 @@
+"""Triton kernels of a decoding step's bookkeeping, one launch each, writing into storage with room (no copy):
+
+- `undo_rope_into`: new keys turned back by their RoPE, saturated to fp16, into the raw tail of the adaptive keys.
+  Specification: `reference.undo_rope_into`.
+- `quantize_at`: new tokens rotated (Hadamard butterflies) and quantized to q4_0 (or q4_0_16) with the searched
+  scale, into their rows. Specification: `reference.quantize_at` (the same bytes).
+- `add_query_energy`: the queries' pair energies averaged per kv head, added to the encoder's running sum (a new
+  tensor). Specification: `reference.add_query_energy` (the same floats).
+
+A program handles a tile of up to `ROWS_MOST` tokens of a head (one on a decoding step; a prefill's rows in
+tiles), or a kv head's queries; inputs are read in their own dtype and strides, so nothing is converted or copied
+before the launch. The kernels launch with `common.EXACT` and follow the
+references' operations in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant import Kind, QuantizedTensor, get_format
+from ...quant.blocks import SCALE_SEARCH
+from ..hadamard import rotation_scale
+from .common import EXACT, FP16_MAX, butterflies, log2_of, rope_cos_sin, saturate_fp16
+
+SEARCH = tuple(float(d) for d in SCALE_SEARCH[8])  # q4_0's searched divisors (`quant.quantize`)
+
+
+ROWS_MOST = 16  # tokens a program of the append kernels handles (a prefill's; a decoding step has one)
+
+
+def _rows(n: int) -> int:
+    """Tokens per program for `n` new tokens: the power of two covering them, at most `ROWS_MOST`."""
+    return min(triton.next_power_of_2(n), ROWS_MOST)
+
+
+@triton.jit
+def _undo_rope_kernel(
+    k_ptr, pos_ptr, freq_ptr, order_ptr, out_ptr,
+    heads, at, n,
+    skb, skh, skt, skd, spb, spt, sob, soh, sot,
+    D: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    half: tl.constexpr = D // 2
+    c = tl.arange(0, half)[None, :]
+    t = tile * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    live = t < n
+    row = k_ptr + b * skb + h * skh + t * skt
+    out = out_ptr + b * sob + h * soh + (at + t) * sot
+    if ORDER:  # canonical channel c is the model's channel order[c]
+        lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
+    else:
+        lo_at, hi_at = c, c + half
+    lo = tl.load(row + lo_at * skd, mask=live, other=0.0).to(tl.float32)
+    hi = tl.load(row + hi_at * skd, mask=live, other=0.0).to(tl.float32)
+    if ROPE:  # rotate_pairs(x, cos, -sin)
+        cos, sin = rope_cos_sin(tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0), tl.load(freq_ptr + c))
+        lo, hi = lo * cos + hi * sin, hi * cos - lo * sin
+    tl.store(out + c, saturate_fp16(lo).to(tl.float16), mask=live)
+    tl.store(out + half + c, saturate_fp16(hi).to(tl.float16), mask=live)
+
+
+def undo_rope_into(
+    keys: torch.Tensor,
+    positions: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    target: torch.Tensor,
+    at: int,
+) -> None:
+    """`reference.undo_rope_into` (see there); `freqs` float64 and `order` on the keys' device."""
+    batch, heads, n, dim = keys.shape
+    if not n:
+        return
+    rope = freqs is not None
+    pos = positions if rope else keys
+    rows = _rows(n)
+    _undo_rope_kernel[(batch * heads, triton.cdiv(n, rows))](
+        keys, pos, freqs if rope else keys, order if order is not None else keys, target,
+        heads, at, n,
+        *keys.stride(), pos.stride(0), pos.stride(-1), *target.stride()[:3],
+        D=dim, ROPE=rope, ORDER=order is not None, ROWS=rows, **EXACT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, codes_ptr, scales_ptr,
+    heads, at, n,
+    sxb, sxh, sxt, sxd, scb, sch, sct, ssb, ssh, sst,
+    D: tl.constexpr, BS: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr, DIVISORS: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    per_row: tl.constexpr = D // BS
+    nb: tl.constexpr = ROWS * per_row  # the tile's blocks, row after row
+    t = tile * ROWS + tl.arange(0, ROWS)[:, None]
+    x = tl.load(x_ptr + b * sxb + h * sxh + t * sxt + tl.arange(0, D)[None, :] * sxd, mask=t < n, other=0.0)
+    x = x.to(tl.float32)  # [ROWS, D]
+    if STAGES > 0:
+        x = butterflies(x, ROWS, D, STAGES, SCALE)
+    x = tl.reshape(x, (nb, BS))
+    cols = tl.arange(0, BS)[None, :]
+    magnitude = tl.abs(x)
+    nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    finite = tl.sum(((x == x) & (magnitude != float("inf"))).to(tl.int32), axis=1) == BS
+    top = tl.max(magnitude, axis=1)
+    first = tl.min(tl.where(magnitude == top[:, None], cols, BS), axis=1)  # torch.argmax: the first on ties
+    peak = tl.sum(tl.where(cols == first[:, None], x, 0.0), axis=1)
+    best_codes = tl.zeros((nb, BS), tl.float32)
+    best_scale = tl.zeros((nb,), tl.float32)
+    best_error = tl.full((nb,), float("inf"), tl.float64)
+    for i in tl.static_range(len(DIVISORS)):
+        d = tl.math.div_rn(peak, -DIVISORS[i])
+        d = tl.minimum(tl.maximum(d, -FP16_MAX), FP16_MAX)
+        inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
+        scaled = x * inv[:, None] + 8.5
+        codes = tl.where((scaled == scaled) & (tl.abs(scaled) != float("inf")), tl.floor(scaled), 0.0)
+        codes = tl.minimum(tl.maximum(codes, 0.0), 15.0)
+        if len(DIVISORS) == 1:
+            best_codes, best_scale = codes, d
+        else:
+            stored = d.to(tl.float16).to(tl.float32)
+            error = ((codes - 8.0) * stored[:, None] - x).to(tl.float64)
+            error = tl.sum(error * error, axis=1)
+            if i == 0:  # the first divisor's codes stand until another's error is smaller (a NaN error never is)
+                best_codes, best_scale, best_error = codes, d, error
+            else:
+                better = error < best_error
+                best_codes = tl.where(better[:, None], codes, best_codes)
+                best_scale = tl.where(better, d, best_scale)
+                best_error = tl.where(better, error, best_error)
+    best_codes = tl.where(nan[:, None], 0.0, best_codes).to(tl.uint8)
+    low, high = tl.split(tl.permute(tl.reshape(best_codes, (nb, 2, BS // 2)), (0, 2, 1)))
+    blocks = tl.arange(0, nb)
+    token = tile * ROWS + blocks // per_row  # each block's token and its place in the token's row
+    live = token < n
+    out = codes_ptr + b * scb + h * sch + (at + token) * sct + (blocks % per_row) * (BS // 2)
+    tl.store(out[:, None] + tl.arange(0, BS // 2)[None, :], low | (high << 4), mask=live[:, None])
+    scale = tl.where(finite, best_scale, float("nan")).to(tl.float16)
+    tl.store(scales_ptr + b * ssb + h * ssh + (at + token) * sst + blocks % per_row, scale, mask=live)
+
+
+def serves_quantize(fmt: str, dim: int) -> bool:
+    """q4_0 and q4_0_16 rows of a power-of-two width: what `quantize_at` codes (rotated or not, searched or not)."""
+    block = get_format(fmt).block_size
+    return get_format(fmt).kind == Kind.Q4_SYM and dim % block == 0 and dim >= block and not dim & (dim - 1)
+
+
+def quantize_at(
+    x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, rotation: int = 0
+) -> None:
+    """`reference.quantize_at` (see there) for the formats of `serves_quantize`."""
+    batch, heads, n, dim = x.shape
+    if not n:
+        return
+    codes, scales = target.codes, target.scales
+    rows = _rows(n)
+    _quantize_rows_kernel[(batch * heads, triton.cdiv(n, rows))](
+        x, codes, scales,
+        heads, at, n,
+        *x.stride(), *codes.stride()[:3], *scales.stride()[:3],
+        D=dim, BS=get_format(fmt).block_size, STAGES=log2_of(rotation),
+        SCALE=rotation_scale(rotation) if rotation else 1.0, DIVISORS=SEARCH if search_scale else SEARCH[:1],
+        ROWS=rows, **EXACT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _query_energy_kernel(
+    q_ptr, order_ptr, total_ptr, out_ptr,
+    kv_heads, sqb, sqh, sqg, sqd,
+    GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b, h = bh // kv_heads, bh % kv_heads
+    half: tl.constexpr = D // 2
+    c = tl.arange(0, half)
+    if ORDER:
+        lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
+    else:
+        lo_at, hi_at = c, c + half
+    energy = tl.zeros((half,), tl.float32)
+    for g in tl.static_range(GROUP):  # added in order, as the reference adds its heads
+        row = q_ptr + b * sqb + h * sqh + g * sqg
+        lo = tl.load(row + lo_at * sqd).to(tl.float32)
+        hi = tl.load(row + hi_at * sqd).to(tl.float32)
+        pair = (lo * lo + hi * hi) * 0.5  # (halving is exact: the reference's / 2)
+        if g == 0:
+            energy = pair
+        else:
+            energy = energy + pair
+    energy = tl.math.div_rn(energy, tl.full((half,), GROUP, tl.float32))
+    upper = energy
+    if TOTAL:
+        energy = tl.load(total_ptr + bh * D + c) + energy
+        upper = tl.load(total_ptr + bh * D + half + c) + upper
+    tl.store(out_ptr + bh * D + c, energy)
+    tl.store(out_ptr + bh * D + half + c, upper)
+
+
+def add_query_energy(
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
+) -> torch.Tensor:
+    """`reference.add_query_energy` (see there); `order` on the queries' device, `total` contiguous."""
+    batch, heads, rows, dim = query.shape
+    grouped = query.reshape(batch, kv_heads, heads * rows // kv_heads, dim)  # a view for both of transformers' layouts
+    out = torch.empty(batch, kv_heads, dim, dtype=torch.float32, device=query.device)
+    _query_energy_kernel[(batch * kv_heads,)](
+        grouped, order if order is not None else grouped, total if total is not None else out, out,
+        kv_heads, *grouped.stride(),
+        GROUP=grouped.shape[2], D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
+    )  # fmt: skip
+    return out

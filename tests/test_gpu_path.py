@@ -1,0 +1,163 @@
+"""The GPU path, run here: `HF_DELTAKV_KERNELS=triton` makes every op take the branch a CUDA device takes (Triton
+where a kernel exists, else the PyTorch reference; never C++), on CPU tensors under Triton's interpreter.
+
+- `generate()` through every registry cache of ours on that path gives the reference path's tokens, and logits within
+  the tolerance below; the default cache also on the real SmolLM2 (a few tokens).
+- The default cache's decoding step holds its budget: launches (aten ops that compute + Triton kernels) per layer,
+  and no host-device sync, at 200 and ~4K tokens (`benchmarks/gpu_path.py` writes the table; `BUDGET` is there).
+- Each packed byte of the history is read once per decoding step (distinct bytes each program loads, summed).
+- A prefill's transient memory stays within twice the layer's fp16 keys and values.
+- ResidualKVCache decodes on the reference path (it crashed without the C++ kernels).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_deltakv import DeltaKVCache, ResidualKVCache
+from hf_deltakv.registry import CACHES, build_cache
+
+from .conftest import tiny_compressor, tiny_model
+
+pytest.importorskip("triton", reason="needs the triton extra")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_path
+
+OURS = [name for name, entry in CACHES.items() if entry.cls.__module__.startswith("hf_deltakv")]
+# Logits of the GPU path against the reference path's, same tokens fed: the kernels' fp32 sums run in another order
+# (attention ~1e-6), RoPE's angles are fp32 polynomials (~2e-7), and a group's clipped range is chosen by a sum over
+# its tokens taken in another order: where two candidates tie to the last bit another range may code the group
+# (the same error), which moves logits by quantization noise, ~1e-3 on these tiny models.
+LOGIT_ATOL = 5e-3
+
+
+def _cache(name: str, model):
+    if name == "residual":
+        return ResidualKVCache(model=model, compressor=tiny_compressor(model))
+    return build_cache(name, model)
+
+
+def _run(model, name: str, ids: torch.Tensor, new: int, path: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and each step's logits of `new` tokens after `ids`, every op on `path`."""
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
+    cache = _cache(name, model)
+    with torch.no_grad():
+        logits = [model(ids, cache=cache, use_cache=True).logits[:, -1]]
+        tokens = [logits[-1].argmax(-1, keepdim=True)]
+        for _ in range(new - 1):
+            logits.append(model(tokens[-1], cache=cache, use_cache=True).logits[:, -1])
+            tokens.append(logits[-1].argmax(-1, keepdim=True))
+    return torch.cat(tokens, 1), torch.stack(logits).float()
+
+
+def _fed(model, name: str, ids: torch.Tensor, tokens: torch.Tensor, path: str, monkeypatch) -> torch.Tensor:
+    """Each step's logits with `tokens` fed (the same inputs on both paths)."""
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
+    cache = _cache(name, model)
+    with torch.no_grad():
+        logits = [model(ids, cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(tokens.shape[1] - 1):
+            logits.append(model(tokens[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
+    return torch.stack(logits).float()
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_generate_on_the_gpu_path_equals_the_reference_path(name, monkeypatch):
+    """60 prompt tokens and 6 decoded: the default cache codes a group on the way (position 63)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(1))
+    tokens, want = _run(model, name, ids, 6, "reference", monkeypatch)
+    got_tokens, got = _run(model, name, ids, 6, "triton", monkeypatch)
+    assert torch.equal(got_tokens, tokens), name
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_left_padded_batches_on_the_gpu_path(monkeypatch):
+    """Rows of one batch padded on the left: the kernels read the mask (and pad positions) as the reference does."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :13] = 0
+    out = {}
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
+        out[path] = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                   cache=DeltaKVCache(kf=32, model=model))  # fmt: skip
+    assert torch.equal(out["triton"], out["reference"])
+
+
+@pytest.mark.real_model
+def test_the_default_cache_on_the_gpu_path_on_smollm2(real_model, monkeypatch):
+    model, tokenizer = real_model
+    ids = tokenizer("The history of the printing press begins", return_tensors="pt").input_ids
+    ids = ids.repeat(1, -(-40 // ids.shape[1]))[:, :40]  # 40 tokens: a coded group, then the raw tail
+    assert ids.shape[1] == 40
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+    want = model.generate(ids, max_new_tokens=3, do_sample=False, cache=DeltaKVCache(kf=32, model=model))
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    got = model.generate(ids, max_new_tokens=3, do_sample=False, cache=DeltaKVCache(kf=32, model=model))
+    assert torch.equal(got, want)
+
+
+def _within_budget(row: dict, coding: bool) -> None:
+    assert row["syncs"] == gpu_path.BUDGET["syncs"], row["per_step"]
+    assert row["launches"] <= gpu_path.BUDGET["launches"], row["per_step"]
+    if coding:
+        assert row["coding_launches"] is not None and row["coding_launches"] <= gpu_path.BUDGET["coding_launches"]
+    assert row["triton_launches"] >= 5  # the two appends, the energies, the attention's two kernels: all on Triton
+
+
+def _counts(row: dict) -> list:
+    return [(step["ops"], step["kernels"], step["sync_sites"]) for step in row["per_step"]]
+
+
+def test_the_default_cache_decodes_within_its_launch_and_sync_budget():
+    """Per layer and decoding step on the GPU path: <= 8 launches, <= 16 on the step that codes a group, 0 syncs, at
+    200 tokens and at ~4K. The prompt is encoded by the CPU kernels (the same bytes, in seconds); at 4K the
+    interpreted kernels' bodies are skipped (minutes a step otherwise): with no sync nothing on the host depends on
+    them, and at 200 tokens the counts with and without them are the same."""
+    real = gpu_path.count("delta", 200, 3, prompt_path="auto")
+    _within_budget(real, coding=False)
+    assert _counts(gpu_path.count("delta", 200, 3, prompt_path="auto", bodies=False)) == _counts(real)
+    long = gpu_path.count("delta", 4094, 3, prompt_path="auto", bodies=False)  # the second step codes position 4095
+    _within_budget(long, coding=True)
+
+
+def test_each_packed_byte_is_read_once_per_decoding_step():
+    """The distinct bytes each program of a decoding step's kernels loads (its re-reads hit its caches), summed over
+    programs: within 1.15x the layers' storage plus the queries and outputs (1K tokens here, in seconds;
+    benchmarks/gpu_path.py measures 4K)."""
+    row = gpu_path.bytes_read(1024)
+    assert row["ratio"] <= gpu_path.BYTES_BUDGET, row
+
+
+@pytest.mark.parametrize("length", [2048, 32768])
+def test_a_prefill_stays_within_twice_its_fp16_keys_and_values(length):
+    row = gpu_path.prefill_memory(length)
+    assert row["transient_over_fp16_kv"] <= gpu_path.PREFILL_BUDGET, row
+
+
+def test_the_residual_cache_decodes_on_the_reference_path(monkeypatch):
+    """Without the C++ kernels (a GPU, or HF_DELTAKV_KERNELS=reference) the residual cache's decoding attention
+    dequantized its latents into a buffer of another shape and stopped at the first step."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=_cache("residual", model))
+    assert out.shape == (1, 16)
+
+
+def test_forcing_the_gpu_path_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    from hf_deltakv import kernels
+
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.use_triton("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.use_triton("cpu") and kernels._cpu_extension(torch.device("cpu")) is None
