@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from ..quant import Kind, QuantizedTensor, get_format, saturate_fp16
+from ..quant import Kind, QuantizedTensor, get_format
 from ..quant.bitpack import GROUP
 from . import reference
 from .hadamard import rotate
@@ -225,8 +225,7 @@ def undo_rope_into(
         from .triton.append import undo_rope_into as kernel
 
         return kernel(keys, positions, freqs, order, target, at)
-    x = keys.float() if freqs is None else undo_rope(keys.float(), positions, freqs, order)
-    target[:, :, at : at + x.shape[2]] = saturate_fp16(x)
+    reference.undo_rope_into(keys, positions, freqs, order, target, at, undo_rope)
 
 
 def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -275,8 +274,7 @@ def add_query_energy(
         from .triton.append import add_query_energy as kernel
 
         return kernel(query, order, kv_heads, total if total is None else total.contiguous())
-    energy = query_energy(query, order, kv_heads, True)[:, :, 0]
-    return energy if total is None else total + energy
+    return reference.add_query_energy(query, order, kv_heads, total, query_energy)
 
 
 def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:

@@ -163,11 +163,13 @@ def undo_rope_into(
     order: torch.Tensor | None,
     target: torch.Tensor,
     at: int,
+    undo=undo_rope,
 ) -> None:
     """Keys as the model passes them (`[batch, heads, n, D]`, its dtype, after RoPE) written into rows `at:at + n`
     of `target` (fp16 `[batch, heads, rows, D]`, storage with room): turned back to before RoPE in the canonical order
-    (`undo_rope`; `freqs` None: as given), saturated to fp16 (`quant.saturate_fp16`)."""
-    x = keys.float() if freqs is None else undo_rope(keys, positions, freqs, order)
+    (`undo_rope`, or a kernel of its signature as `undo`; `freqs` None: as given), saturated to fp16
+    (`quant.saturate_fp16`)."""
+    x = keys.float() if freqs is None else undo(keys.float(), positions, freqs, order)
     target[:, :, at : at + x.shape[2]] = saturate_fp16(x)
 
 
@@ -220,12 +222,12 @@ def query_energy(query: torch.Tensor, order: torch.Tensor | None, kv_heads: int,
 
 
 def add_query_energy(
-    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None, energies=query_energy
 ) -> torch.Tensor:
     """`total + e` (`e` when `total` is None), fp32 `[batch, kv_heads, D]`, a new tensor: `e` the pair energies of
-    one position's queries (`query_energy(query, order, kv_heads, one_position=True)`), the sum the adaptive keys'
-    encoder keeps (`codecs.adaptive`)."""
-    energy = query_energy(query, order, kv_heads, True)[:, :, 0]
+    one position's queries (`query_energy(query, order, kv_heads, one_position=True)`, or a kernel of its signature
+    as `energies`), the sum the adaptive keys' encoder keeps (`codecs.adaptive`)."""
+    energy = energies(query, order, kv_heads, True)[:, :, 0]
     return energy if total is None else total + energy
 
 

@@ -10,7 +10,7 @@ from ..online_softmax import OnlineSoftmax
 
 
 def KERNEL_MODULES() -> tuple:
-    """Every module of Triton kernels (the ahead-of-time compile and the launch counter walk them)."""
+    """Every module of Triton kernels (the ahead-of-time compile walks them)."""
     from . import (
         adaptive_attention,
         adaptive_code,
