@@ -65,7 +65,7 @@ def main() -> int:
         env = {**os.environ, "HF_DELTAKV_CACHE": str(Path(tmp) / "cache")}
         env.pop("HF_DELTAKV_KERNEL_DIR", None)
         steps = [("install (command 1)", install), ("hf-deltakv ppl, first run", quick),
-                 ("hf-deltakv ppl, second run", quick + " --overwrite")]  # fmt: skip
+                 ("hf-deltakv ppl, second run", quick)]  # fmt: skip
         if args.tests:
             steps += [("install (command 2)", test_install), ("tests", tests)]
         for name, command in steps:
@@ -73,6 +73,7 @@ def main() -> int:
             rows.append({"step": name, "command": command, "seconds": round(seconds, 1)})
             print(f"{name}: {seconds:.0f} s  ({command})", flush=True)
         table = (clone / "hf-deltakv-out" / "ppl.json").exists()
+        outputs = sorted(path.name for path in (clone / "hf-deltakv-out").iterdir())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     config = {
         "commit": commit.stdout.strip(),
@@ -83,6 +84,7 @@ def main() -> int:
         "protocol": "a fresh clone and venv; HF_DELTAKV_CACHE a new folder, so the first `hf-deltakv ppl` converts the "
         "embedded model; each step timed on its own, in order",
         "wrote_ppl_json": table,
+        "out_folder_after_both_runs": outputs,
     }
     write_json({"config": config, "rows": rows}, args.out)
     print(f"wrote {args.out}; commands: {' | '.join(shlex.quote(r['command']) for r in rows)}", file=sys.stderr)

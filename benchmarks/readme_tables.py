@@ -167,7 +167,8 @@ def newcomer_times() -> str:
         f"measured by `benchmarks/newcomer.py` on a fresh clone and venv,"
         f" {table['config']['cores']} cores: the install "
         f"{seconds['install (command 1)']:.0f} s, then the table after {seconds['hf-deltakv ppl, first run']:.0f} s "
-        f"the first time (the model converted once) and {seconds['hf-deltakv ppl, second run']:.0f} s after"
+        f"the first time (the model converted once) and {seconds['hf-deltakv ppl, second run']:.0f} s when run again "
+        "(the same command: it replaces its own earlier output)"
     )
     if "tests" in seconds:
         text += f"; the tests {seconds['tests'] / 60:.0f} min"

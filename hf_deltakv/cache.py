@@ -124,8 +124,8 @@ class StreamCache(Cache):
             self.forward.start(len(self.layers), saved, layers, per_layer)
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
-            if getattr(self, "_record_past", False):
-                self.layers[-1].activate_past_recording()
+            if getattr(self, "_record_past", None) is not None:
+                self.layers[-1].activate_past_recording(**self._record_past)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def _recover(self) -> None:
@@ -258,11 +258,12 @@ class StreamCache(Cache):
         self.positions.reset()
         self.forward.saved, self.forward.unclaimed = None, {}
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Sliding layers keep what a crop back to the current forward needs (transformers' assisted decoding), also
-        the layers created later."""
-        self._record_past = True
-        super().activate_past_recording()
+        the layers created later. Keyword arguments (`recurrent_states_to_keep` since transformers 5.25) go to each
+        layer as transformers passes them; attention layers have no recurrent state to keep."""
+        self._record_past = dict(kwargs)
+        super().activate_past_recording(**kwargs)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._recover()

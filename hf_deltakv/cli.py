@@ -53,8 +53,9 @@ def _check_text(source: str) -> None:
             raise UsageError(f"--text {part!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
-def _check_out_folder(out: Path, files: tuple[str, ...], overwrite: bool) -> None:
-    """`out` can be written, and holds none of `files` unless `overwrite`: checked before any computation."""
+def _check_out_folder(out: Path, files: tuple[str, ...], overwrite: bool, own: tuple[str, ...] = ()) -> None:
+    """`out` can be written, and holds none of `files` unless `overwrite` or it is in `own` (what an earlier run of
+    the same command wrote there, unchanged since): checked before any computation."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder")
     try:
@@ -64,9 +65,12 @@ def _check_out_folder(out: Path, files: tuple[str, ...], overwrite: bool) -> Non
         probe.unlink()
     except OSError as err:
         raise UsageError(f"--out {out} cannot be written: {err.strerror or err}") from None
-    existing = [name for name in files if (out / name).exists()]
+    existing = [name for name in files if (out / name).exists() and name not in own]
     if existing and not overwrite:
-        raise UsageError(f"--out {out} already holds {', '.join(existing)}; pass --overwrite or another --out")
+        raise UsageError(
+            f"--out {out} already holds {', '.join(existing)}, not written by an earlier `hf-deltakv ppl` (or changed "
+            "since); pass --overwrite or another --out"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ppl.add_argument("--chunk", type=_at_least(1), default=CHUNK, help="tokens per step of the chunked protocol")
     ppl.add_argument("--out", default="hf-deltakv-out", help="folder for ppl.json and the PNG plots")
-    ppl.add_argument("--overwrite", action="store_true", help="replace ppl.json and the plots if --out holds them")
+    ppl.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace ppl.json and the plots in --out even where an earlier run did not write them",
+    )
     ppl.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
     ppl.add_argument("--no-progress", action="store_true")
     _add_train_parser(sub)
@@ -244,6 +252,34 @@ def run_train_residual(args: argparse.Namespace) -> int:
 
 
 PPL_FILES = ("ppl.json", "delta_vs_bits.png", "delta_vs_ctx.png")
+# What a `ppl` run wrote into --out, file name -> sha256: a later run replaces those files (and removes those it does
+# not write again, e.g. a plot against context length a one-length run skips), never a file it did not write.
+PPL_RECORD = ".hf-deltakv-ppl.json"
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _earlier_output(out: Path) -> tuple[str, ...]:
+    """The files of PPL_FILES an earlier `ppl` run wrote into `out` and nothing changed since (by PPL_RECORD)."""
+    import json
+
+    try:
+        record = json.loads((out / PPL_RECORD).read_text())
+    except (OSError, ValueError):
+        return ()
+    if not isinstance(record, dict):
+        return ()
+    own = []
+    for name in PPL_FILES:
+        path = out / name
+        with contextlib.suppress(OSError):
+            if path.is_file() and record.get(name) == _digest(path):
+                own.append(name)
+    return tuple(own)
 
 
 def ppl_plan(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...], int]:
@@ -283,7 +319,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     caches, protocols, ctx, windows = ppl_plan(args)
     _check_text(args.text)
     out = Path(args.out)
-    _check_out_folder(out, PPL_FILES, args.overwrite)
+    earlier = _earlier_output(out) if out.is_dir() else ()
+    _check_out_folder(out, PPL_FILES, args.overwrite, own=earlier)
     minutes = estimated_seconds(caches, protocols, ctx, windows) / 60
     kind = "full" if args.full else "quick (--full for both protocols and every cache)"
     print(f"hf-deltakv ppl: {kind} comparison of {len(caches)} caches, {', '.join(protocols)}, {windows} window(s) "
@@ -308,10 +345,23 @@ def run_ppl(args: argparse.Namespace) -> int:
 
         try:
             written.append(plot_delta_vs_bits(result, out / "delta_vs_bits.png"))
-            written.append(plot_delta_vs_ctx(result, out / "delta_vs_ctx.png"))
+            by_ctx = plot_delta_vs_ctx(result, out / "delta_vs_ctx.png")
+            if by_ctx is None:
+                print(f"note: no delta_vs_ctx.png: the run measured one context length ({ctx[0]}); a plot against "
+                      "length needs two or more (e.g. --ctx 512,1024,2048)", file=sys.stderr)  # fmt: skip
+            else:
+                written.append(by_ctx)
         except ImportError as err:
             print(f"note: {err}", file=sys.stderr)
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    stale = [out / name for name in earlier if out / name not in written]
+    for path in stale:  # an earlier run's file this run did not write again: it would not match ppl.json
+        path.unlink(missing_ok=True)
+    write_json({path.name: _digest(path) for path in written}, out / PPL_RECORD)
+    replaced = [name for name in earlier if out / name in written]
+    print("wrote " + ", ".join(str(p) for p in written)
+          + (f" (replacing the previous run's {', '.join(replaced)})" if replaced else "")
+          + (f"; removed the previous run's {', '.join(p.name for p in stale)}" if stale else ""),
+          file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -326,7 +326,10 @@ def test_clipped_ranges_never_code_a_channel_worse_than_its_whole_range(bits, se
         coded[clip] = codec
     assert torch.equal(coded[True].depths, coded[False].depths)
     sse = {clip: (c.decode() - x).double().pow(2).view(1, 2, 2, 32, 16).sum(3) for clip, c in coded.items()}
-    assert (sse[True] <= sse[False] * (1 + 1e-5) + 1e-9).all()
+    # The choice is made on the fp32 codes; a coded value is then rounded to fp16 (at most 2^-11 of it; 2^-10 of the
+    # input's magnitude allowed), which may add to either error by up to that much per token.
+    rounding = (x.double().abs() * 2**-10).pow(2).view(1, 2, 2, 32, 16).sum(3)
+    assert (sse[True].sqrt() <= sse[False].sqrt() * (1 + 1e-5) + 2 * rounding.sqrt() + 1e-9).all()
     if spikes:
         assert sse[True].sum() < sse[False].sum()
 

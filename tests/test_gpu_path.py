@@ -93,7 +93,14 @@ def test_left_padded_batches_on_the_gpu_path(monkeypatch):
 
 @pytest.mark.real_model
 def test_the_default_cache_on_the_gpu_path_on_smollm2(real_model, monkeypatch):
-    model, tokenizer = real_model
+    """SmolLM2's first 6 layers (its weights, head_dim 64, 9 query heads on 3 kv heads, its RoPE; all 30 layers take
+    minutes of interpreted kernels and test nothing more): the GPU path generates the reference path's tokens."""
+    from hf_deltakv.models import load_model
+
+    model, tokenizer = load_model()  # a model of its own (real_model's is shared): cut to its first 6 layers
+    model.model.layers, model.config.num_hidden_layers = model.model.layers[:6], 6
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:6]
     ids = tokenizer("The history of the printing press begins", return_tensors="pt").input_ids
     ids = ids.repeat(1, -(-40 // ids.shape[1]))[:, :40]  # 40 tokens: a coded group, then the raw tail
     assert ids.shape[1] == 40
@@ -130,9 +137,9 @@ def test_the_default_cache_decodes_within_its_launch_and_sync_budget():
 
 def test_each_packed_byte_is_read_once_per_decoding_step():
     """The distinct bytes each program of a decoding step's kernels loads (its re-reads hit its caches), summed over
-    programs: within 1.15x the layers' storage plus the queries and outputs (1K tokens here, in seconds;
+    programs: within 1.15x the layers' storage plus the queries and outputs (512 tokens here: 1.113x in 24 s;
     benchmarks/gpu_path.py measures 4K)."""
-    row = gpu_path.bytes_read(1024)
+    row = gpu_path.bytes_read(512)
     assert row["ratio"] <= gpu_path.BYTES_BUDGET, row
 
 

@@ -52,16 +52,16 @@ def test_split_specs_keeps_parameters_with_their_cache():
 
 @pytest.mark.real_model
 def test_cli_ppl_end_to_end(real_model, tmp_path, capsys):
-    args = ["ppl", "--full", "--ctx", "128", "--windows", "1", "--caches", "fp16,q4_0,delta", "--out", str(tmp_path)]
+    args = ["ppl", "--full", "--ctx", "64,128", "--windows", "1", "--caches", "fp16,q4_0,delta", "--out", str(tmp_path)]
     assert main([*args, "--no-progress"]) == 0
     table = capsys.readouterr().out
     assert "| delta | one-forward | 128 |" in table and "| delta | chunked | 128 |" in table
     result = json.loads((tmp_path / "ppl.json").read_text())
-    assert [row["cache"] for row in result["rows"]] == ["fp16", "q4_0", "delta"] * 2
+    assert [row["cache"] for row in result["rows"]] == ["fp16", "q4_0", "delta"] * 4
     for plot in ("delta_vs_bits.png", "delta_vs_ctx.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["config"]["text"] == "python-docs"
-    rows = {row["cache"]: row for row in result["rows"] if row["protocol"] == "one-forward"}
+    rows = {row["cache"]: row for row in result["rows"] if row["protocol"] == "one-forward" and row["ctx"] == 128}
     assert rows["q4_0"]["bits_per_element"] == pytest.approx(4.5)
     assert rows["fp16"]["bits_per_element"] == pytest.approx(16.0)
 

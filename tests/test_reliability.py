@@ -167,6 +167,50 @@ def test_binary_text_and_unusable_out_are_refused_before_work(capsys, tmp_path):
     assert (out / "ppl.json").read_text() == "{}"
 
 
+def _fake_comparison(model, tokenizer, text, caches, ctx, *args, **kwargs) -> dict:
+    """What compare_caches returns, without a model: the ppl command's output files are what is tested."""
+    rows = []
+    for n in ctx:
+        for i, cache in enumerate(caches):
+            kl, top1 = (None, None) if i == 0 else (0.01 * i, 0.9)
+            rows.append({"cache": cache, "ctx": n, "protocol": "one-forward", "perplexity": 10.0 + i,
+                         "delta_pct": 10.0 * i, "kl_divergence": kl, "top1_agreement": top1,
+                         "bits_per_element": 16.0 / (i + 1), "seconds": 0.1})  # fmt: skip
+    return {"config": {"model": "fake", "text": text, "ctx": list(ctx), "reference": caches[0]}, "rows": rows}
+
+
+def test_ppl_run_again_replaces_its_own_output_and_nothing_else(monkeypatch, capsys, tmp_path):
+    """The README's first command, run twice into the same folder, works both times: a run replaces what an earlier
+    run wrote (unchanged since), removes an earlier plot it does not draw again, keeps other files, and refuses a
+    file of the same name that it did not write (or that was changed) unless --overwrite."""
+    pytest.importorskip("matplotlib")
+    import hf_deltakv.compare
+    import hf_deltakv.models
+
+    monkeypatch.setattr(hf_deltakv.models, "load_model", lambda name=None: (None, None))
+    monkeypatch.setattr(hf_deltakv.compare, "compare_caches", _fake_comparison)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    args = ["ppl", "--caches", "fp16,q4_0,delta", "--out", str(out), "--no-progress"]
+    assert main([*args, "--ctx", "64,128"]) == 0
+    assert {"ppl.json", "delta_vs_bits.png", "delta_vs_ctx.png"} <= {p.name for p in out.iterdir()}
+    capsys.readouterr()
+    assert main([*args, "--ctx", "128"]) == 0  # one length: no plot against length, the earlier one removed
+    err = capsys.readouterr().err
+    assert "replacing the previous run's ppl.json, delta_vs_bits.png" in err and "no delta_vs_ctx.png" in err
+    assert "removed the previous run's delta_vs_ctx.png" in err
+    assert not (out / "delta_vs_ctx.png").exists() and (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "ppl.json").read_text())["config"]["ctx"] == [128]
+    assert main([*args, "--ctx", "128"]) == 0  # the same command again
+    (out / "delta_vs_bits.png").write_bytes(b"edited")  # no longer what the run wrote: not replaced silently
+    assert main([*args, "--ctx", "128"]) == 2
+    assert "delta_vs_bits.png, not written by an earlier" in capsys.readouterr().err
+    assert (out / "delta_vs_bits.png").read_bytes() == b"edited"
+    assert main([*args, "--ctx", "128", "--overwrite"]) == 0
+    assert (out / "delta_vs_bits.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # --- cache inputs, atomic updates, pickling ---------------------------------------------------------------------------
 
 

@@ -462,13 +462,14 @@ def decode_delta(stream: DeltaStream, start: int, end: int) -> torch.Tensor:
 
 
 def decode_channel(stream: ChannelStream, start: int, end: int) -> torch.Tensor:
-    """Tokens `start:end` of a KIVI-style stream (only the groups overlapping the range are dequantized)."""
+    """Tokens `start:end` of a KIVI-style stream (only the groups overlapping the range are dequantized, to fp16
+    values as `decode_groups`: what a crop puts back into the fp16 tail)."""
     group = stream.group
     coded = stream.length - stream.tail.shape[2]
     first, last = start // group, min(-(-end // group), coded // group)
     parts = []
     if last > first:
-        blocks = dequantize(slice_seq(stream.groups, first, last))  # [B, H, G, D, group]
+        blocks = saturate_fp16(dequantize(slice_seq(stream.groups, first, last))).float()  # [B, H, G, D, group]
         batch, heads, groups, dim, _ = blocks.shape
         parts.append(blocks.transpose(3, 4).reshape(batch, heads, groups * group, dim))
     parts.append(stream.tail.float())
@@ -477,9 +478,10 @@ def decode_channel(stream: ChannelStream, start: int, end: int) -> torch.Tensor:
 
 def decode_groups(planes: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Values of whole adaptive groups: planes `[..., P, group / 8]`, packed depths `[..., dim / 2]`, low and step
-    `[..., dim]` to fp32 `[..., group, dim]` (`low + code * step`)."""
+    `[..., dim]` to fp32 `[..., group, dim]` (`low + code * step` rounded to fp16: a coded token's value is one the
+    fp16 tail can hold, so a crop that moves a cut group's tokens back into the tail leaves them as they were)."""
     codes = unpack_planes(planes, unpack_4bit(bits).to(torch.int64))
-    return low.float().unsqueeze(-2) + codes.float() * step.float().unsqueeze(-2)
+    return saturate_fp16(low.float().unsqueeze(-2) + codes.float() * step.float().unsqueeze(-2)).float()
 
 
 def decode_adaptive(stream: AdaptiveStream, start: int, end: int, groups=decode_groups) -> torch.Tensor:

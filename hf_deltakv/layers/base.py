@@ -403,7 +403,7 @@ class StreamLayer(CacheLayerMixin):
         if self.forward is not None:
             self.forward.read(self.layer_index)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """transformers asks sliding layers to keep what a crop may need (assisted decoding): evict only at the next
         update, what is out of the window of every query that a crop back to the current forward could bring."""
         self.record_past = True

@@ -433,7 +433,7 @@ at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes) {
 }
 
 // Decoded values of whole adaptive groups (kernels/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed
-// depths uint8 [N, D / 2] (quant.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D].
+// depths uint8 [N, D / 2] (quant.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D] of fp16 values.
 at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step) {
   planes = planes.contiguous(), depths = depths.contiguous(), low = low.contiguous(), step = step.contiguous();
   const int64_t n = planes.size(0), count = planes.size(1), width = planes.size(2), group = width * 8;
@@ -457,7 +457,10 @@ at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, a
           for (int64_t j = 0; j < group; ++j) code[j] |= static_cast<uint32_t>((row[j / 8] >> (j % 8)) & 1) << b;
         }
         const float lo = static_cast<float>(pl[g * dim + c]), s = static_cast<float>(ps[g * dim + c]);
-        for (int64_t j = 0; j < group; ++j) po[(g * group + j) * dim + c] = lo + static_cast<float>(code[j]) * s;
+        for (int64_t j = 0; j < group; ++j) {  // fp16 values (reference: decode_groups), saturated, NaN kept
+          const float value = clampf(lo + static_cast<float>(code[j]) * s, -FP16_MAX, FP16_MAX);
+          po[(g * group + j) * dim + c] = static_cast<float>(static_cast<c10::Half>(value));
+        }
       }
     }
   });

@@ -36,6 +36,24 @@ namespace {
 using hfd::exp_nonpositive;
 using hfd::NEG_INF;
 
+// n floats rounded to fp16 values in place, saturating at fp16's largest finite value, NaN kept (a coded group's
+// keys decode to fp16 values: kernels/reference.py decode_groups and decode_channel).
+inline void round_to_fp16(float* x, int64_t n) {
+  const float most = static_cast<float>(std::numeric_limits<c10::Half>::max());
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  const __m256 high = _mm256_set1_ps(most), low = _mm256_set1_ps(-most);
+  for (; i + 8 <= n; i += 8) {  // min(high, x), max(low, x): NaN in x is what comes out
+    const __m256 v = _mm256_max_ps(low, _mm256_min_ps(high, _mm256_loadu_ps(x + i)));
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = std::isnan(x[i]) ? x[i] : std::min(std::max(x[i], -most), most);
+    x[i] = static_cast<float>(static_cast<c10::Half>(v));
+  }
+}
+
 #if !defined(HFD_KIND_F16) || !defined(HFD_STREAM_PLAIN)
 #error "build through hf_deltakv.kernels.cpu: the format and stream ids come from hf_deltakv.kernels.layout.constants()"
 #endif
@@ -421,6 +439,7 @@ struct Stream {
       for (int64_t c = 0; c < dim; ++c) {
         float* row = direct ? kt + c * tile : whole;
         channel_blocks.row((bh * channel_blocks.rows_per_head + k) * dim + c, row);
+        round_to_fp16(row, group);
         if (!direct) std::copy(whole + j0, whole + j0 + n, kt + c * tile);
       }
       return;
@@ -438,6 +457,7 @@ struct Stream {
       const float s = static_cast<float>(gs[c]), lo = static_cast<float>(gl[c]);
       float* row = direct ? kt + c * tile : whole;
       decode_channel(gp + plane * width, bits, width, s, lo, row);
+      round_to_fp16(row, group);
       plane += bits;
       if (!direct) std::copy(whole + j0, whole + j0 + n, kt + c * tile);
     }

@@ -25,7 +25,7 @@ from ...quant import QuantizedTensor
 from ...quant.bitplanes import MAX_BITS
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, PlainStream, RopeAngles
-from .common import butterflies, log2_of, turned_cos_sin
+from .common import butterflies, log2_of, saturate_fp16, turned_cos_sin
 from .decode_attention import TILE_KINDS
 
 WORDS = {8: tl.uint8, 16: tl.uint16, 32: tl.uint32, 64: tl.uint64}  # a plane of a group of this many tokens
@@ -171,6 +171,8 @@ def _adaptive_split_kernel(
                 low_hi[None, :]
                 + _plane_codes(group_words, p_hi, d_hi, slot, MOST, WORD).to(tl.float32) * step_hi[None, :]
             )
+            k_lo = saturate_fp16(k_lo).to(tl.float16).to(tl.float32)  # fp16 values (reference.decode_groups)
+            k_hi = saturate_fp16(k_hi).to(tl.float16).to(tl.float32)
             m_i, l_i, acc_a, acc_b = _attend(
                 q_lo, q_hi, k_lo, k_hi, token, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
                 pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smt,

@@ -55,6 +55,9 @@ def _adaptive_keys_kernel(
             + _plane_codes(words, p_hi, d_hi, slot, MOST, WORD).to(tl.float32)
             * tl.load(at_step + half + c).to(tl.float32)[None, :]
         )
+        # fp16 values, as reference.decode_groups (what a crop puts back into the tail)
+        k_lo = saturate_fp16(k_lo).to(tl.float16).to(tl.float32)
+        k_hi = saturate_fp16(k_hi).to(tl.float16).to(tl.float32)
     else:  # the raw tail
         token = coded + slot
         valid = slot < tail_tokens
