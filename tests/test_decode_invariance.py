@@ -31,7 +31,11 @@ MODEL = tiny_model("llama")
 def _stream(name: str, chunks: list[int], seed: int):
     """A registry cache fed `sum(chunks)` tokens in updates of `chunks` tokens (positions in order) to each of the
     model's layers (a forward that stops before its last layer is undone by the next crop)."""
-    cache = build_cache(name, MODEL)
+    return _fed(build_cache(name, MODEL), MODEL, chunks, seed)
+
+
+def _fed(cache, model, chunks: list[int], seed: int):
+    """`cache` fed `sum(chunks)` random tokens in updates of `chunks` tokens to each of `model`'s layers."""
     g = torch.Generator().manual_seed(seed)
     total = sum(chunks)
     keys = torch.randn(BATCH, HEADS, total, DIM, generator=g).cumsum(2) * 0.3 + torch.randn(DIM, generator=g) * 2
@@ -39,7 +43,7 @@ def _stream(name: str, chunks: list[int], seed: int):
     begin = 0
     for n in chunks:
         ids = torch.arange(begin, begin + n).expand(BATCH, n)
-        for layer in range(MODEL.config.num_hidden_layers):
+        for layer in range(model.config.num_hidden_layers):
             cache.update(keys[:, :, begin : begin + n], values[:, :, begin : begin + n], layer, {"position_ids": ids})
         begin += n
     return cache
@@ -112,17 +116,7 @@ def test_the_residual_cache_decodes_each_row_and_kept_token_as_before(monkeypatc
     model = tiny_model("llama-mha")
     compressor = tiny_compressor(model)
     monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
-    cache = ResidualKVCache(model=model, compressor=compressor)
-    g = torch.Generator().manual_seed(len(chunks))
-    total = sum(chunks)
-    keys = torch.randn(BATCH, HEADS, total, DIM, generator=g).cumsum(2) * 0.3
-    values = torch.randn(BATCH, HEADS, total, DIM, generator=g)
-    begin = 0
-    for n in chunks:
-        ids = torch.arange(begin, begin + n).expand(BATCH, n)
-        for layer in range(model.config.num_hidden_layers):
-            cache.update(keys[:, :, begin : begin + n], values[:, :, begin : begin + n], layer, {"position_ids": ids})
-        begin += n
+    cache = _fed(ResidualKVCache(model=model, compressor=compressor), model, chunks, len(chunks))
     whole = cache.layers[0].reconstruct()
     for rows in ([2, 0], [1]):
         picked = copy.deepcopy(cache)
