@@ -10,6 +10,8 @@ exists, else the PyTorch reference, never C++), run here on CPU tensors under Tr
   is reported apart: its budget is larger. At 200 tokens the whole path is interpreted; at 4,096 the prompt is
   encoded by the CPU kernels (the same bytes) and the kernels' bodies are skipped while counting (nothing on the
   host depends on them: no sync), as the interpreter takes minutes a step there.
+- Allocations: the largest buffer one layer's decoding step allocates (on steps that grow no stored buffer; growth
+  copies the history once per 1/ROOM_FRACTION of it), against what the layer stores.
 - Bytes read: the distinct bytes each program of one decoding step's kernels loads, summed (`LoadTracer`), against
   the layers' `nbytes()` plus queries and outputs, at 4K.
 - Prefill memory: one layer of the default cache, 8 kv heads x 128, bf16: the peak its coding and its
@@ -114,6 +116,8 @@ def count(spec: str, length: int, steps: int, model=None, prompt_path: str = "tr
             layers = per_layer(step)
             rows.append({
                 "coding": coded_groups(cache) > before,
+                "grew": any(t.growths for t in layers.values()),
+                "largest_allocation": max(t.largest for t in layers.values()),
                 "launches": max(t.launches for t in layers.values()),
                 "syncs": max(t.sync_count for t in layers.values()),
                 "mean_launches": sum(t.launches for t in layers.values()) / len(layers),
@@ -133,9 +137,20 @@ def count(spec: str, length: int, steps: int, model=None, prompt_path: str = "tr
         "coding_launches": max((r["launches"] for r in coding), default=None),
         "syncs": max(r["syncs"] for r in rows),
         "triton_launches": max(sum(sum(k.values()) for k in r["kernels"].values()) / len(r["kernels"]) for r in rows),
+        # the largest buffer one layer's step allocates where no stored buffer grows (growth is amortized: one
+        # history-sized copy per 1/ROOM_FRACTION of the history), against what one layer stores
+        "largest_allocation": max((r["largest_allocation"] for r in rows if not r["grew"]), default=None),
+        "layer_nbytes": max(_layer_nbytes(layer) for layer in cache.layers),
         "seconds": time.perf_counter() - start,
         "per_step": rows,
     }
+
+
+def _layer_nbytes(layer) -> int:
+    """What one layer stores (`nbytes()`; transformers' layers: their keys and values)."""
+    from hf_deltakv.quant import nbytes_of
+
+    return layer.nbytes() if hasattr(layer, "nbytes") else nbytes_of([layer.keys, layer.values])
 
 
 @torch.no_grad()
@@ -210,12 +225,13 @@ def _skip_kernels():
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| cache | tokens | launches per layer-step | on a step coding a group | syncs | of them Triton (most) |",
-             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| cache | tokens | launches per layer-step | on a step coding a group | syncs | of them Triton (most) "
+             "| largest allocation / layer's bytes |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         coding = "-" if r["coding_launches"] is None else r["coding_launches"]
+        largest = "-" if r["largest_allocation"] is None else f"{r['largest_allocation'] / r['layer_nbytes']:.3f}"
         lines.append(f"| `{r['cache']}` | {r['length']:,} | {r['launches']} | {coding} | {r['syncs']} "
-                     f"| {r['triton_launches']:.0f} |")  # fmt: skip
+                     f"| {r['triton_launches']:.0f} | {largest} |")  # fmt: skip
     return "\n".join(lines)
 
 

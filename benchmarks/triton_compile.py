@@ -85,7 +85,7 @@ def recording(sink: list, label: list):
 def launches(quick: bool = False) -> list[Launch]:
     """Every configuration the dispatch sends to a Triton kernel (`quick`: each format, head dim and option once,
     the others varied alongside), recorded from the launchers on CPU tensors."""
-    from hf_deltakv.codecs import DeltaCodec, PlainCodec, RotatedCodec
+    from hf_deltakv.codecs import ChannelGroupCodec, DeltaCodec, PlainCodec, RotatedCodec
     from hf_deltakv.kernels.layout import RopeAngles
     from hf_deltakv.kernels.triton import (
         adaptive_attention,
@@ -117,15 +117,42 @@ def launches(quick: bool = False) -> list[Launch]:
         for fmt, dtype in product(("q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"), INPUT_DTYPES):
             label[0] = f"{fmt}, {str(dtype).removeprefix('torch.')} input"
             quantize.quantize(torch.randn(3, 64, generator=g).to(dtype), fmt)
-        for fmt, dim, group, masked in product(("q4_0", "q4_1", "q8_0"), HEAD_DIMS, GROUPS, (False, True)):
-            label[0] = f"{fmt} keys and values, head_dim {dim}, {group} queries per kv head, mask {masked}"
-            keys, values = RotatedCodec(PlainCodec(fmt)), PlainCodec(fmt)
+        pairs = (("q4_0", "q4_0"), ("q4_1", "q4_1"), ("q8_0", "q8_0"), ("f16", "f16"), ("q3_0", "q4_0"),
+                 ("q4_0_16", "q8_0"))  # fmt: skip
+        variants = ("rotated keys", "plain", "keys before RoPE", "rotated keys before RoPE")
+        for (kfmt, vfmt), dim, group, variant, masked in product(pairs, HEAD_DIMS, GROUPS, variants, (False, True)):
+            label[0] = (f"{kfmt} keys, {vfmt} values, {variant}, head_dim {dim}, {group} queries per kv head, "
+                        f"mask {masked}")  # fmt: skip
+            wrap = RotatedCodec if variant.startswith("rotated") else (lambda codec: codec)
+            keys, values = wrap(PlainCodec(kfmt)), PlainCodec(vfmt)
             keys.append(torch.randn(1, 2, 40, dim, generator=g))
             values.append(torch.randn(1, 2, 40, dim, generator=g))
-            mask = torch.ones(1, 42, dtype=torch.bool) if masked else None
+            freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+            angles = RopeAngles(torch.arange(40, dtype=torch.int32)[None], freqs) if "RoPE" in variant else None
+            mask = torch.ones(1, 1, 42, dtype=torch.bool) if masked else None
             query = torch.randn(1, 2, group, dim, generator=g)
-            if decode_attention.supports(keys.layout(), values.layout(), rope=False):  # what the dispatch sends
-                decode_attention.plain_attention(query, keys.layout(), values.layout(), mask, 2, 0.1)
+            sinks = torch.randn(1, 2, 2, dim, generator=g).to(torch.float16)
+            if decode_attention.supports(keys.layout(), values.layout(), mask):  # what the dispatch sends
+                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), angles, mask, 0.1)
+        kivi = (("q4_1", "q4_0", "q8_0"), ("q4_1", "q4_0", "f16"), HEAD_DIMS, GROUPS, (False, True), (False, True))
+        for kfmt, vfmt, dim, group, rope, masked in product(*kivi):
+            label[0] = (f"KIVI-style {kfmt} keys, {vfmt} values, head_dim {dim}, {group} queries per kv head, "
+                        f"RoPE {rope}, mask {masked}")  # fmt: skip
+            keys, values = ChannelGroupCodec(kfmt), PlainCodec(vfmt)
+            keys.append(torch.randn(1, 2, 70, dim, generator=g))  # two groups and a tail
+            values.append(torch.randn(1, 2, 70, dim, generator=g))
+            freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+            angles = RopeAngles(torch.arange(70, dtype=torch.int32)[None], freqs) if rope else None
+            mask = torch.ones(1, 1, 72, dtype=torch.bool) if masked else None
+            query = torch.randn(1, 2, group, dim, generator=g)
+            sinks = torch.randn(1, 2, 2, dim, generator=g).to(torch.float16)
+            if decode_attention.supports(keys.layout(), values.layout(), mask):  # what the dispatch sends
+                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), angles, mask, 0.1)
+            # a completed group's channels quantized into the coded groups' rows (`ChannelGroupCodec._code`)
+            tail = torch.randn(1, 2, 32, dim, generator=g).to(torch.float16)
+            rows = tail.unflatten(2, (1, 32)).transpose(3, 4).reshape(1, 2, dim, 32)
+            target = QuantizedTensor.empty(get_format(kfmt), (1, 2, 3, dim), 32, "cpu").map(lambda t: t.flatten(2, 3))
+            append.quantize_at(rows, kfmt, False, target, dim)
         for vfmt, dim, group, rope, masked in product(("q4_0", "q8_0"), HEAD_DIMS, GROUPS, (False, True), (True,)):
             label[0] = f"delta keys, {vfmt} values, head_dim {dim}, {group} queries per kv head, RoPE {rope}"
             keys = RotatedCodec(DeltaCodec(kf=32, delta_format="q4_0_16", keyframe_format="q8_0",
@@ -171,8 +198,9 @@ def launches(quick: bool = False) -> list[Launch]:
             tail = torch.randn(1, 2, 2 * kf, dim, generator=g).half()
             out = _adaptive_rows(kf, dim, 4)
             adaptive_code.code_groups(tail, 4, 2, None if rope else torch.rand(1, 2, 2, dim), 4 * dim, masked, out, 0)
-        for fmt, dim, search, rotation, dtype in product(("q4_0", "q4_0_16"), HEAD_DIMS, (True, False), (True, False),
-                                                         INPUT_DTYPES):  # fmt: skip
+        appended = (("q4_0", True), ("q4_0_16", False), ("q3_0", True), ("q4_1", False), ("q4_1_16", False),
+                    ("q8_0", False), ("f16", False), ("q4_0", False))  # fmt: skip
+        for (fmt, search), dim, rotation, dtype in product(appended, HEAD_DIMS, (True, False), INPUT_DTYPES):
             label[0] = f"{fmt}, head_dim {dim}, searched scale {search}, rotated {rotation}"
             x = torch.randn(1, 2, 1, dim, generator=g).to(dtype)
             target = PlainCodec(fmt)

@@ -1,5 +1,6 @@
 """hf_deltakv: compressed KV caches for HuggingFace transformers, with real packed storage."""
 
+from .attention import HistoryDecodedWarning
 from .cache import (
     CompressedKVCache,
     DeltaKVCache,
@@ -16,6 +17,7 @@ __all__ = [
     "CompressedKVCache",
     "DeltaKVCache",
     "EvictionCache",
+    "HistoryDecodedWarning",
     "KIVIKVCache",
     "QuantizedKVCache",
     "ResidualKVCache",

@@ -69,6 +69,7 @@ class StreamCache(Cache):
         self._sliding_window: int | None = None
         self._chunk_size: int | None = None
         self._rope_forms: list[RopeForm | None] | None = None
+        self._attention: str | None = None  # the model's attention implementation, when given the model
         self.forward = ForwardLog()  # the state when the current forward started (`_recover`)
         if pre_rope and model is None:
             raise ValueError("pre_rope=True needs the model: pass model=... (its RoPE is measured to undo it)")
@@ -76,6 +77,7 @@ class StreamCache(Cache):
             if not isinstance(model, nn.Module):
                 raise ValueError(f"model must be a torch nn.Module, got {type(model).__name__}")
             self._layer_types = model_layer_types(model)
+            self._attention = getattr(text_config(model), "_attn_implementation", None)
             self._sliding_window = getattr(text_config(model), "sliding_window", None)
             self._chunk_size = getattr(text_config(model), "attention_chunk_size", None)
             if pre_rope is None or pre_rope:
@@ -164,6 +166,8 @@ class StreamCache(Cache):
     def _new_layer(self, layer_idx: int) -> StreamLayer:
         layer = self._make_layer(layer_idx)
         layer.forward, layer.layer_index = self.forward, layer_idx
+        layer.notices = self.__dict__.setdefault("_notices", set())  # warnings given once per cache
+        layer.attention_implementation = self._attention
         return layer
 
     def save(self, path: str | Path) -> Path:

@@ -94,7 +94,7 @@ def state_of(obj, prefix: str, tensors: dict, skip: tuple[type, ...]) -> dict:
     out = {}
     for name, value in vars(obj).items():
         key = f"{prefix}.{name}"
-        if name.startswith("_growing") or isinstance(value, (torch.device, *skip)) or callable(value):
+        if name.startswith("_growing") or isinstance(value, (torch.device, set, *skip)) or callable(value):
             continue
         if isinstance(value, torch.Tensor):
             tensors[key] = value.detach().contiguous()

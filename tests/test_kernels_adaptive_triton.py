@@ -45,25 +45,36 @@ def test_undo_rope_into_gives_the_reference_bytes(dtype, case, n):
     assert _same(got, want)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_0_16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_0_16", "q3_0", "q4_1", "q4_1_16", "q8_0", "f16"])
 @pytest.mark.parametrize("search", [False, True])
 @pytest.mark.parametrize("rotation", [0, 64])
 @pytest.mark.parametrize("n", [4, 37])  # one tile; several, the last with rows past the end
 def test_quantize_at_rotates_and_quantizes_to_the_reference_bytes(fmt, search, rotation, n):
-    from hf_deltakv.kernels.triton.append import quantize_at
+    """Every format's appends: the bytes of `quant.quantize` (rotated first), non-finite and out-of-fp16-range values
+    included; a scale search asked of a format without one is refused as the reference refuses it."""
+    from hf_deltakv.kernels.triton.append import quantize_at, serves_quantize
 
     g = torch.Generator().manual_seed(rotation + search)
     x = _strided((torch.randn(2, 3, n, 64, generator=g) * 3).to(torch.bfloat16))
     x[0, 0, 0, 5], x[1, 1, 1, 40], x[0, 1, 2] = float("nan"), float("inf"), 0.0  # NaN and inf blocks, a zero row
     x[1, 2, 3, :2] = 2.5  # ties of magnitude: the first is the block's peak
+    x[0, 2, 1, :2] = torch.tensor([float("inf"), -float("inf")])  # both infinities in one block
+    x[1, 0, 2, 33] = 1e6  # beyond fp16: saturated scales (and f16 values)
     fm = get_format(fmt)
+    assert serves_quantize(fmt, 64)
     want, got = (QuantizedTensor.empty(fm, (2, 3, n + 3), 64, "cpu") for _ in range(2))
     for t in (want, got):
         for part in t.tensors():
             part.zero_()
+    if search and fmt not in ("q4_0", "q4_0_16", "q3_0"):
+        for quantizer in (reference.quantize_at, quantize_at):
+            with pytest.raises(ValueError, match="search_scale"):
+                quantizer(x, fmt, search, got, 2, rotation)
+        return
     reference.quantize_at(x, fmt, search, want, 2, rotation)
     quantize_at(x, fmt, search, got, 2, rotation)
-    assert _same(got.codes, want.codes) and _same(got.scales, want.scales)
+    for have, spec in zip(got.tensors(), want.tensors(), strict=True):
+        assert _same(have, spec)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])

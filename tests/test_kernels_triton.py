@@ -78,33 +78,108 @@ def test_quantize_kernel_marks_non_finite_blocks_nan():
 
 
 @pytest.mark.parametrize(
-    ("fmt", "batch", "q_heads", "kv_heads", "tokens", "masked"),
-    [("q4_0", 1, 3, 1, 37, False), ("q4_1", 2, 4, 2, 50, True), ("q8_0", 1, 2, 2, 19, False)],
+    ("k_fmt", "v_fmt", "batch", "q_heads", "kv_heads", "tokens", "dim", "masked", "rotated", "rope"),
+    [
+        ("q4_0", "q4_0", 1, 3, 1, 37, 64, False, True, None),
+        ("q4_1", "q4_1", 2, 4, 2, 50, 32, True, True, None),
+        ("q8_0", "q8_0", 1, 2, 2, 19, 64, False, False, None),
+        ("f16", "f16", 1, 2, 1, 21, 32, True, False, "rope"),
+        ("q3_0", "q4_0", 1, 4, 2, 33, 64, False, False, "rope-gaps"),
+        ("q4_0_16", "q8_0", 2, 2, 1, 25, 64, True, True, "rope"),
+        ("q4_1_16", "f16", 1, 2, 1, 9, 256, False, False, None),
+    ],
 )
-def test_fused_decode_attention_matches_reference(fmt, batch, q_heads, kv_heads, tokens, masked):
-    """The plain block-quantized kernel (rotated keys served by rotating the query) against the reference over the
-    same storage; sinks masked out so that both see the stream only."""
+def test_plain_decode_attention_matches_reference(k_fmt, v_fmt, batch, q_heads, kv_heads, tokens, dim, masked,
+                                                  rotated, rope):  # fmt: skip
+    """The plain streams' kernels (split, then merge with the raw sinks) against the reference over the same storage:
+    each format for keys and for values, mixed formats, rotated keys and values (the query turned instead of the
+    keys, or, before RoPE, the keys turned back), keys before RoPE (consecutive and scattered positions), left
+    padding, head dims 32-256 and one or three splits."""
     from hf_deltakv.kernels.triton.decode_attention import plain_attention, supports
 
     torch.manual_seed(tokens)
-    dim, group, sinks = 64, q_heads // kv_heads, 1
+    group, sinks = q_heads // kv_heads, 2
     query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
-    keys, values = RotatedCodec(PlainCodec(fmt)), PlainCodec(fmt)
+    wrap = RotatedCodec if rotated else (lambda codec: codec)
+    keys, values = wrap(PlainCodec(k_fmt)), wrap(PlainCodec(v_fmt))
     keys.append(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float())
     values.append(torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float())
-    assert supports(keys.layout(), values.layout(), rope=False)
-    mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
-    mask[:, :, :sinks] = False
-    if masked:  # left padding in the first sequence
-        mask[0, :, sinks : sinks + 7] = False
-    sink_kv = torch.randn(batch, kv_heads, sinks, dim)
-    args = (query, sink_kv, sink_kv, keys.layout(), values.layout(), None, mask, 1, sinks + tokens - 1)
-    expected = reference.stream_attention(*args, dim**-0.5)
+    angles = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(tokens), rope) if rope else None
+    mask = None
+    if masked:  # left padding in the first sequence, a sink included
+        mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
+        mask[0, :, 1 : sinks + 7] = False
+    assert supports(keys.layout(), values.layout(), mask)
+    sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), angles, mask)
+    expected = reference.stream_attention(*args, 1, sinks + tokens - 1, dim**-0.5)
     for splits in (1, 3):
-        acc, _, total = plain_attention(
-            query, keys.layout(), values.layout(), mask[:, 0], sinks, dim**-0.5, splits=splits
-        )
-        torch.testing.assert_close(acc / total[..., None], expected, atol=1e-4, rtol=1e-4)
+        got = plain_attention(*args, dim**-0.5, splits=splits)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("k_fmt", "v_fmt", "batch", "q_heads", "kv_heads", "chunks", "dim", "masked", "rope"),
+    [
+        ("q4_1", "q4_1", 2, 4, 2, (40, 1, 30), 32, True, None),  # groups then a tail, in buffers with room
+        ("q4_0", "q4_0", 1, 3, 1, (64,), 64, False, "rope"),  # whole groups only, keys before RoPE
+        ("q8_0", "q3_0", 1, 2, 1, (13,), 64, False, "rope-gaps"),  # the tail only
+        ("q4_1", "f16", 1, 2, 2, (70, 1), 128, True, None),
+        ("q4_0", "q8_0", 1, 2, 1, (33,), 256, False, "rope"),
+    ],
+)
+def test_kivi_decode_attention_matches_reference(k_fmt, v_fmt, batch, q_heads, kv_heads, chunks, dim, masked, rope):
+    """KIVI-style keys (per-channel blocks of 32 tokens and the fp16 tail) through the plain kernel: against the
+    reference over the same storage, with groups and a tail, whole groups, the tail alone, before RoPE or after."""
+    from hf_deltakv.codecs import ChannelGroupCodec
+    from hf_deltakv.kernels.triton.decode_attention import plain_attention, supports
+
+    tokens = sum(chunks)
+    torch.manual_seed(tokens + dim)
+    group, sinks = q_heads // kv_heads, 1
+    query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
+    keys, values = ChannelGroupCodec(k_fmt), PlainCodec(v_fmt)
+    x = torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float() * torch.linspace(0.2, 4, dim)
+    y = torch.randn(batch, kv_heads, tokens, dim, dtype=torch.bfloat16).float()
+    begin = 0
+    for n in chunks:
+        keys.append(x[:, :, begin : begin + n])
+        values.append(y[:, :, begin : begin + n])
+        begin += n
+    angles = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(tokens), rope) if rope else None
+    mask = None
+    if masked:
+        mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
+        mask[-1, :, : sinks + 5] = False
+    assert supports(keys.layout(), values.layout(), mask)
+    sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), angles, mask)
+    expected = reference.stream_attention(*args, 1, sinks + tokens - 1, dim**-0.5)
+    for splits in (1, 2):
+        got = plain_attention(*args, dim**-0.5, splits=splits)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_decode_attention_reads_storage_through_its_strides():
+    """Storage with room for appends (a view of a longer buffer, not contiguous over batch x heads) is read in place:
+    the same output as from a compact copy."""
+    from hf_deltakv.kernels.layout import PlainStream
+    from hf_deltakv.kernels.triton.decode_attention import plain_attention, supports
+    from hf_deltakv.quant import quantize
+
+    torch.manual_seed(0)
+    batch, kv_heads, group, dim, tokens, room = 2, 2, 2, 32, 20, 32
+    full = [quantize(torch.randn(batch, kv_heads, room, dim), fmt) for fmt in ("q4_1", "q8_0")]
+    views = [q.map(lambda t: t[:, :, :tokens]) for q in full]
+    compact = [q.map(lambda t: t.contiguous()) for q in views]
+    assert not views[0].codes.is_contiguous()
+    query, sink = torch.randn(batch, kv_heads, group, dim), torch.zeros(batch, kv_heads, 0, dim)
+    outs = []
+    for k, v in (views, compact):
+        streams = (PlainStream(k, dim, tokens), PlainStream(v, dim, tokens))
+        assert supports(*streams, None)
+        outs.append(plain_attention(query, sink, sink, *streams, None, None, 0.3))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("bits", [[4, 0, 2, 8], [3, 5, 6, 0, 0, 2], [0, 8]])
@@ -228,8 +303,7 @@ def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monke
     values.append(torch.randn(batch, kv_heads, tokens, dim))
     query = torch.randn(batch, kv_heads, group, dim)
     sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
-    # the plain kernel applies no RoPE (keys after RoPE)
-    rope = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(2)) if keys_kind == "delta" else None
+    rope = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(2))
     args = (query, sink_keys, sink_values, keys.layout(), values.layout(), rope, None, 1, sinks + tokens - 1, 0.25)
     expected = reference.stream_attention(*args)
     called = []

@@ -10,10 +10,13 @@ attention reads is exactly what the cache stores either way.
 
 The layer is duck-typed (this module sits below the cache layers): it needs `reconstruct() -> (keys, values)` and
 `sdpa(query, mask, dropout_p, is_causal, scale, enable_gqa) -> Tensor | None` (None: not served, decode instead), and
-may have `read_done()`, called once attention has read the pair.
+may have `read_done()`, called once attention has read the pair, and `decoded_outside_sdpa(op)`, called when
+something other than SDPA makes a pair decode (the cache warns once: `HistoryDecodedWarning`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,11 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
+class HistoryDecodedWarning(UserWarning):
+    """Attention (or another operation) read a compressed cache's history as a decoded tensor instead of through
+    `scaled_dot_product_attention`, which reads the packed storage."""
+
+
 class _Pair:
     """A layer's keys and values as returned by one `update`, and their decoded history once something asks."""
 
@@ -30,10 +38,14 @@ class _Pair:
         self.layer = layer
         self.decoded: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def decode(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, index: int, dtype: torch.dtype, op=None) -> torch.Tensor:
+        """The decoded history's keys (0) or values (1); `op`: the operation other than SDPA that asks, if one does."""
         if self.decoded is None:
             self.decoded = self.layer.reconstruct()
             _read_done(self.layer)
+        hook = getattr(self.layer, "decoded_outside_sdpa", None)
+        if op is not None and hook is not None:
+            hook(getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op))
         return self.decoded[index].to(dtype)
 
 
@@ -67,9 +79,10 @@ class StoredKV(torch.Tensor):
     def __repr__(self) -> str:
         return f"StoredKV({'keys' if self.index == 0 else 'values'}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
-    def decoded(self) -> torch.Tensor:
-        """The tensor this one stands for, decoded (the history memoised with its pair)."""
-        history = self.pair.decode(self.index, self.dtype)
+    def decoded(self, op=None) -> torch.Tensor:
+        """The tensor this one stands for, decoded (the history memoised with its pair); `op`: the operation other
+        than SDPA that needs it, if one does."""
+        history = self.pair.decode(self.index, self.dtype, op)
         if self.stage == "unsqueezed":
             return history[:, :, None]
         if self.stage == "expanded":
@@ -105,6 +118,13 @@ class StoredKV(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a compressed cache's keys and values reached a compiled attention (attn_implementation="
+                "'flex_attention'?), which cannot read them: pass the model to the cache (model=model) so that it "
+                "hands that attention decoded tensors, or load the model with attn_implementation='sdpa', which "
+                "attends straight from the packed storage"
+            )
         if func is F.scaled_dot_product_attention:
             call = _own_call(args, kwargs)
             if call is not None:
@@ -120,13 +140,14 @@ class StoredKV(torch.Tensor):
             followed = args[0]._follow_repeat_kv(func, args, kwargs)
             if followed is not None:
                 return followed
-        args, kwargs = tree_map(_decoded, (args, kwargs))
+        op = None if func is F.scaled_dot_product_attention else func  # (an SDPA call the layer did not serve)
+        args, kwargs = tree_map(functools.partial(_decoded, op=op), (args, kwargs))
         return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Reached only by operations that bypass __torch_function__ (e.g. from C++): decode and run them.
-        args, kwargs = tree_map(_decoded, (args, kwargs or {}))
+        args, kwargs = tree_map(functools.partial(_decoded, op=func), (args, kwargs or {}))
         return func(*args, **kwargs)
 
 
@@ -134,8 +155,8 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
              torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous}  # fmt: skip
 
 
-def _decoded(x):
-    return x.decoded() if isinstance(x, StoredKV) else x
+def _decoded(x, op=None):
+    return x.decoded(op) if isinstance(x, StoredKV) else x
 
 
 def _own_call(args: tuple, kwargs: dict) -> dict | None:

@@ -158,6 +158,11 @@ def batched_growth():
         kernels.copy_rows(_GROWTH.pop())
 
 
+def growth_pending() -> bool:
+    """Whether the open `batched_growth` has row copies still to make (a grown buffer's old rows are not there yet)."""
+    return bool(_GROWTH and _GROWTH[-1])
+
+
 def move_rows(grown: State, stored: State) -> None:
     """Copy `stored` into the first rows of `grown` (its new, larger buffer): now, or at the end of the open
     `batched_growth`."""

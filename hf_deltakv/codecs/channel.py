@@ -4,7 +4,7 @@ Keys have a few channels of much larger magnitude than the rest; a scale per cha
 tokens) instead of per token keeps those outliers from drowning the small channels (KIVI, arXiv 2402.02750).
 The arithmetic is llama.cpp's Q4_1 (or another block format) applied along the token axis: a group of 32 tokens
 of one channel is one block. Tokens of a group not yet complete are held in fp16 (counted in the bytes) until it
-fills, so decoding appends without re-encoding history.
+fills, so decoding appends without re-encoding history; both are stored in buffers with room (`base.GrowingRows`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,17 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import get_format, owned, quantize, saturate_fp16
-from .base import StreamCodec, append_along_seq
+from ..quant import QuantizedTensor, get_format, owned, saturate_fp16
+from .base import ROOM_AHEAD_GROUPS, StreamCodec, batched_growth, growth_pending
 
 
 class ChannelGroupCodec(StreamCodec):
     """Per-channel block quantization over groups of tokens.
+
+    New tokens are written (saturated to fp16; keys turned back by their RoPE first when asked) into the raw tail's
+    room, and every group the tail completes is quantized channel by channel straight into the room of the coded
+    groups (`kernels.quantize_at` over the group's channels: one kernel each on GPUs), so a decoding step copies
+    nothing of the history.
 
     Args:
         fmt: block format applied along the token axis (`q4_1` is KIVI's asymmetric 4-bit).
@@ -36,15 +41,48 @@ class ChannelGroupCodec(StreamCodec):
         return ("groups", "tail")
 
     def append(self, x: torch.Tensor) -> None:
-        pending = saturate_fp16(x) if self.tail is None else torch.cat([self.tail, saturate_fp16(x)], dim=2)
-        batch, heads, n, dim = pending.shape
-        full = n // self.group * self.group
-        if full:
-            blocks = pending[:, :, :full].float().reshape(batch, heads, full // self.group, self.group, dim)
-            coded = quantize(blocks.transpose(3, 4).contiguous(), self.fmt.name)
-            self.groups = append_along_seq(self.groups, coded)
-        self.tail = owned(pending[:, :, full:])
-        self.length += x.shape[2]
+        self._append_tail(x, lambda target, at: kernels.reference.write_rows(target, saturate_fp16(x), at))
+
+    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
+        """New tokens as the model gives them, turned back by their RoPE (`turn`) and saturated to fp16 straight into
+        the raw tail's room (`kernels.undo_rope_into`: one kernel on GPUs)."""
+        positions, freqs, order = turn if turn is not None else (None, None, None)
+        self._append_tail(x, lambda target, at: kernels.undo_rope_into(x, positions, freqs, order, target, at))
+
+    def _append_tail(self, x: torch.Tensor, write) -> None:
+        """`write(buffer, row)` writes the tokens `x` `[B, H, n, D]` into the tail's buffer (room for a group once
+        decoding appends to it), then the complete groups are coded (`flush`), or at the next read when a buffer grown
+        by this update has its old rows still to be copied (at the update's end, `base.batched_growth`)."""
+        batch, heads, n, dim = x.shape
+        make = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
+        room = self.group if self.length >= ROOM_AHEAD_GROUPS * self.group else 0  # (short streams grow as needed)
+        target, at = self._reserve("tail", n, make, minimum=room)
+        write(target, at)
+        self._commit_rows("tail", n)
+        self.length += n
+        if not growth_pending():
+            self.flush()
+
+    def flush(self) -> None:
+        """Code every complete group of the tail into the rows of the coded groups."""
+        complete = 0 if self.tail is None else self.tail.shape[2] // self.group
+        if complete:
+            with batched_growth():  # the coded groups' buffers grown (when they are) in one copy
+                self._code(complete)
+            self._drop_rows("tail", complete * self.group, keep_room=2 * self.group)  # (a prompt's tail is let go)
+
+    def _code(self, complete: int) -> None:
+        """The tail's first `complete` groups quantized per channel into the rows of the coded groups: each channel
+        of a group is one block of `group` tokens, a row of `quantize_at` (the groups' rows and channels seen as one
+        sequence of rows; the tail's groups transposed into a copy of their own size)."""
+        batch, heads, _, dim = self.tail.shape
+        group = self.group
+        make = lambda rows: QuantizedTensor.empty(self.fmt, (batch, heads, rows, dim), group, self.tail.device)  # noqa: E731
+        buffer, at = self._reserve("groups", complete, make)
+        blocks = self.tail[:, :, : complete * group].unflatten(2, (complete, group)).transpose(3, 4)
+        rows = blocks.reshape(batch, heads, complete * dim, group)  # [B, H, groups x channels, group tokens]
+        kernels.quantize_at(rows, self.fmt.name, False, buffer.map(lambda t: t.flatten(2, 3)), at * dim)
+        self._commit_rows("groups", complete)
 
     def _coded(self) -> int:
         return self.length - self.tail.shape[2]
@@ -53,7 +91,8 @@ class ChannelGroupCodec(StreamCodec):
         return min(tokens, self._coded()) // self.group * self.group
 
     def drop_front(self, tokens: int) -> None:
-        self.groups = self.groups.map(lambda t: owned(t[:, :, tokens // self.group :]))
+        self.groups = self.groups.map(lambda t: owned(t[:, :, tokens // self.group :]))  # the dropped groups are freed
+        self._release_rows()
         self.length -= tokens
 
     def truncate(self, tokens: int) -> None:
@@ -65,7 +104,9 @@ class ChannelGroupCodec(StreamCodec):
             partial = saturate_fp16(kernels.decode_stream(self.layout(), keep * self.group, tokens))
             self.groups = self.groups.map(lambda t: owned(t[:, :, :keep])) if keep else None
             self.tail = partial.contiguous()
+        self._release_rows()
         self.length = tokens
 
     def layout(self) -> kernels.ChannelStream:
+        self.flush()
         return kernels.ChannelStream(self.groups, self.tail, self.group, self.tail.shape[-1], self.length)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..quant import SEARCHABLE_KINDS, QuantizedTensor, get_format, owned
+from ..quant import QuantizedTensor, check_search_scale, get_format, owned
 from .base import StreamCodec
 
 
@@ -19,9 +19,7 @@ class PlainCodec(StreamCodec):
 
     def __init__(self, fmt: str, search_scale: bool = False) -> None:
         super().__init__()
-        self.fmt = get_format(fmt).name
-        if search_scale and get_format(fmt).kind not in SEARCHABLE_KINDS:
-            raise ValueError(f"search_scale applies to the q4_0 family and q3_0, not {fmt!r}")
+        self.fmt = check_search_scale(fmt, search_scale).name
         self.search_scale = search_scale
         self.stored = None
 

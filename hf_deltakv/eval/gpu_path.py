@@ -65,6 +65,8 @@ class Tally:
     ops: Counter = field(default_factory=Counter)  # aten op name -> count (launches)
     kernels: Counter = field(default_factory=Counter)  # Triton kernel name -> launches
     syncs: Counter = field(default_factory=Counter)  # what synced -> count
+    largest: int = 0  # bytes of the largest new storage an op allocated (its outputs that view no input excluded)
+    growths: int = 0  # stored buffers grown (and copied) into a larger one: the amortized, history-sized allocation
 
     @property
     def launches(self) -> int:
@@ -78,6 +80,8 @@ class Tally:
         self.ops.update(other.ops)
         self.kernels.update(other.kernels)
         self.syncs.update(other.syncs)
+        self.largest = max(self.largest, other.largest)
+        self.growths += other.growths
 
 
 class _Dispatch(TorchDispatchMode):
@@ -93,7 +97,27 @@ class _Dispatch(TorchDispatchMode):
                 tally.syncs[name] += 1
             if name not in NO_LAUNCH and name != "_local_scalar_dense":
                 tally.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if tally is not None:
+            tally.largest = max(tally.largest, _allocated(out, args, kwargs))
+        return out
+
+
+def _storages(tree) -> list[torch.UntypedStorage]:
+    flat = tree if isinstance(tree, (tuple, list)) else (tree,)
+    found = []
+    for t in flat:
+        if isinstance(t, (tuple, list)):
+            found.extend(_storages(t))
+        elif isinstance(t, torch.Tensor):
+            found.append(t.untyped_storage())
+    return found
+
+
+def _allocated(out, args, kwargs) -> int:
+    """Bytes of the largest storage among an op's outputs that is none of its inputs' (a view allocates nothing)."""
+    given = {s.data_ptr() for s in _storages([*args, *(kwargs or {}).values()])}
+    return max((s.nbytes() for s in _storages(out) if s.data_ptr() not in given), default=0)
 
 
 def _names_device(args, kwargs) -> bool:
@@ -167,6 +191,7 @@ class LaunchCounter:
         self._wrap_attention(stack)
         self._wrap_triton(stack)
         self._wrap_tensor_methods(stack)
+        self._wrap_growth(stack)
         stack.enter_context(_Dispatch(self))
         return self
 
@@ -215,6 +240,23 @@ class LaunchCounter:
 
             cls.run = counted_run
             stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
+
+    def _wrap_growth(self, stack: contextlib.ExitStack) -> None:
+        """Counts the stored buffers grown into larger ones (`move_rows`: one call per grown buffer)."""
+        from hf_deltakv.codecs import base as codecs_base
+        from hf_deltakv.layers import base as layers_base
+
+        counter, move_rows = self, codecs_base.move_rows
+
+        def counted(grown, stored):
+            tally = counter._current()
+            if tally is not None:
+                tally.growths += 1
+            return move_rows(grown, stored)
+
+        for module in (codecs_base, layers_base):
+            module.move_rows = counted
+            stack.callback(lambda module=module: setattr(module, "move_rows", move_rows))
 
     def _wrap_tensor_methods(self, stack: contextlib.ExitStack) -> None:
         counter = self

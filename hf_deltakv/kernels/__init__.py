@@ -11,7 +11,7 @@ codec objects.
 The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kernel tested against `reference.py`):
 
     quantize           cpu/encode.cpp              | triton/quantize.py (not with a searched scale)
-    quantize_at        cpu/encode.cpp (one token)  | triton/append.py (q4_0 family: rotate + search + pack)
+    quantize_at        cpu/encode.cpp (one token)  | triton/append.py (every format: rotate + search + pack)
     undo_rope_into     cpu undo_rope + a copy      | triton/append.py
     add_query_energy   cpu query_energy + an add   | triton/append.py
     query_energy       cpu                         | -
@@ -24,7 +24,8 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     code_delta         cpu/encode.cpp              | -
     delta_encode_groups -                          | triton/delta_encode.py
     stream_attention   cpu/stream_attention.cpp    | triton/adaptive_attention.py (adaptive keys + plain values),
-                       (plain, delta streams)      |   delta_attention.py (delta keys), decode_attention.py (plain)
+                       (plain, delta streams)      |   decode_attention.py (plain keys + plain values: split, then
+                                                   |   the adaptive merge), delta_attention.py (delta keys)
     latent ops         cpu/latent.cpp              | triton/latent.py (dequantize only)
     sparse_matvec      cpu/sparse_matvec.cpp       | triton/sparse_matvec.py
 """
@@ -187,7 +188,7 @@ def quantize_at(
     x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, rotation: int = 0
 ) -> None:
     """`reference.quantize_at` (new tokens, rotated first when `rotation`, quantized into growing storage, in place),
-    dispatched: the Triton kernel on GPUs (q4_0 family: rotation, search and packing in one launch), the C++ kernel on
+    dispatched: the Triton kernel on GPUs (every format: rotation, search and packing in one launch), the C++ kernel on
     the CPU for one token per head; anything else rotates, quantizes by `quantize` and copies the rows in. The bytes
     of `quantize` on every path (tested)."""
     if use_triton(x.device):
@@ -379,8 +380,9 @@ def stream_attention(
 
     On the CPU the compiled C++ kernel (`cpu/stream_attention.cpp`) serves plain and delta streams in q4_0, q4_1, q8_0,
     f16 and their 16-wide variants, rotated or not, keys and values of one width. On CUDA/ROCm, one query per head:
-    the Triton kernel `triton/delta_attention.py` over delta keys and plain values, `triton/decode_attention.py` over
-    plain block-quantized keys and values. Anything else goes to the chunked reference.
+    the Triton kernels `triton/adaptive_attention.py` over adaptive keys and plain values, `triton/decode_attention.py`
+    over plain keys and values (every format, rotated or not, keys before RoPE or after; sinks merged in the kernel),
+    `triton/delta_attention.py` over delta keys and plain values. Anything else goes to the chunked reference.
     """
     args = (rope, mask, n_queries, causal_offset, scale)
     if use_triton(query.device) and n_queries == 1:

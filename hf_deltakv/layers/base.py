@@ -6,13 +6,14 @@ model passes them), `_decode_stream` gives back keys with RoPE and values, `_str
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention.stored import stored_pair
+from ..attention.stored import HistoryDecodedWarning, stored_pair
 from ..codecs.base import ROOM_FRACTION, ROOM_MIN, batched_growth, move_rows
 from ..kernels.layout import RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
@@ -23,6 +24,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Queries per kv head up to which attention reads the packed storage (decoding, chunked prefill); with more (a
 # prefill) the history is decoded once and attention runs on it, as fast as the model's own SDPA.
 ATTEND_MAX_QUERIES = 64
+# Attention implementations handed decoded tensors by `update` instead of `StoredKV` ones: flex_attention runs in a
+# fully compiled graph, which cannot trace a tensor subclass that decodes on demand.
+DECODED_FOR = ("flex_attention",)
 
 
 def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -125,7 +129,11 @@ class StreamLayer(CacheLayerMixin):
             self._restore(saved)
             raise
         shape = (self.batch_size, self.kv_heads, self.cumulative_length - self.visible)
-        return stored_pair(self, (*shape, self.head_dim), (*shape, self.value_dim), key_states.dtype, self.device)
+        pair = stored_pair(self, (*shape, self.head_dim), (*shape, self.value_dim), key_states.dtype, self.device)
+        if self.attention_implementation in DECODED_FOR:  # decoded now, warned once (see `DECODED_FOR`)
+            op = f"attn_implementation={self.attention_implementation!r}"
+            return pair[0].decoded(op), pair[1].decoded(op)
+        return pair
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
         if not self.is_initialized:
@@ -402,6 +410,27 @@ class StreamLayer(CacheLayerMixin):
             self._evict(max(self.cumulative_length - self.window + 1, 0))
         if self.forward is not None:
             self.forward.read(self.layer_index)
+
+    notices: set | None = None  # what this layer's cache has warned about (shared by its layers: once per cache)
+    attention_implementation: str | None = None  # the model's, when the cache was given the model
+
+    def decoded_outside_sdpa(self, op: str) -> None:
+        """Something other than SDPA read this layer's history (`StoredKV`): warned once per cache."""
+        if self.notices is None:
+            self.notices = set()
+        if "decoded" in self.notices:
+            return
+        self.notices.add("decoded")
+        warnings.warn(
+            f"a compressed cache's history was read by {op} instead of scaled_dot_product_attention: every such read "
+            "decodes every cached token of the layer in the model's dtype (at each decoding step, the whole history of "
+            "every layer: the memory and time the compression saves are spent again, and the adaptive keys no longer "
+            "see the queries they place their bits by). attn_implementation='eager', 'flash_attention_2' and "
+            "'flex_attention' read it so; load the model with attn_implementation='sdpa' (transformers' default) to "
+            "attend straight from the packed storage. (Warned once per cache.)",
+            HistoryDecodedWarning,
+            stacklevel=2,
+        )
 
     def activate_past_recording(self, **kwargs) -> None:
         """transformers asks sliding layers to keep what a crop may need (assisted decoding): evict only at the next

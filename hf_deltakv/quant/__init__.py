@@ -15,7 +15,7 @@ from .blocks import (
     saturate_fp16,
 )
 from .packing import pack_3bit, pack_4bit, unpack_3bit, unpack_4bit
-from .table import FORMATS, SEARCHABLE_KINDS, BlockFormat, Kind, get_format
+from .table import FORMATS, SEARCHABLE_KINDS, BlockFormat, Kind, check_search_scale, get_format
 
 __all__ = [
     "FORMATS",
@@ -24,6 +24,7 @@ __all__ = [
     "BlockFormat",
     "Kind",
     "QuantizedTensor",
+    "check_search_scale",
     "dequantize",
     "get_format",
     "nbytes_of",

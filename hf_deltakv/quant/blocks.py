@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import pack_3bit, pack_4bit, unpack_3bit, unpack_4bit
-from .table import SEARCHABLE_KINDS, BlockFormat, Kind, get_format
+from .table import BlockFormat, Kind, check_search_scale, get_format
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504: fp16's largest finite value, where scales saturate
 
@@ -274,9 +274,7 @@ QUANTIZERS = {
 def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
     """Quantize `x` along its last dimension into the named format (`search_scale`: see `quantize_q4_0`; symmetric
     formats only, `SEARCHABLE_KINDS`, where it is a choice of the encoder)."""
+    check_search_scale(fmt, search_scale)
     if search_scale:
-        if get_format(fmt).kind not in SEARCHABLE_KINDS:
-            raise ValueError(f"search_scale applies to the q4_0 family and q3_0, not {fmt!r}")
         return quantize_q3_0(x, True) if fmt == "q3_0" else quantize_q4_0(x, fmt, search_scale=True)
-    get_format(fmt)
     return QUANTIZERS[fmt](x)

@@ -81,3 +81,11 @@ def get_format(name: str) -> BlockFormat:
     if not isinstance(name, str) or name not in FORMATS:
         raise ValueError(f"unknown block format {name!r}; allowed: {sorted(FORMATS)}")
     return FORMATS[name]
+
+
+def check_search_scale(name: str, search_scale: bool) -> BlockFormat:
+    """The format `name`, with an error when a scale search is asked of a format without one."""
+    fmt = get_format(name)
+    if search_scale and fmt.kind not in SEARCHABLE_KINDS:
+        raise ValueError(f"search_scale applies to the q4_0 family and q3_0, not {name!r}")
+    return fmt

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import AdaptiveStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
+from ..layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
 from ..online_softmax import OnlineSoftmax
 
 
@@ -42,8 +42,8 @@ def stream_attention(
     scale: float,
 ) -> torch.Tensor | None:
     """`reference.stream_attention` for one query per head through the Triton kernel that reads these streams (the
-    adaptive keys' kernels merge the sink tokens themselves; the others' are merged by the reference's online
-    softmax); None when no kernel reads them."""
+    adaptive, plain and KIVI-style streams' kernels merge the sink tokens themselves; the delta streams' are merged
+    by the reference's online softmax); None when no kernel reads them."""
     if n_queries != 1 or not isinstance(values, PlainStream):
         return None
     if isinstance(keys, AdaptiveStream):
@@ -52,30 +52,29 @@ def stream_attention(
         if not supports(keys, values, mask):
             return None
         return adaptive_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale)
+    if isinstance(keys, (PlainStream, ChannelStream)):
+        from .decode_attention import plain_attention, supports
+
+        if not supports(keys, values, mask):
+            return None
+        return plain_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale)
+    if not isinstance(keys, DeltaStream):
+        return None
+    from .delta_attention import delta_attention, supports
+
+    if not supports(keys, values):
+        return None
     cos = sin = None
     if rope is not None:  # full-width tables of this call only (the kernel reads rows of `dim`), on the device
         cos, sin = rope.cos_sin()
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    if isinstance(keys, DeltaStream):
-        from .delta_attention import delta_attention, supports
-
-        if not supports(keys, values):
-            return None
-        run = lambda q, m: delta_attention(q, keys, values, cos, sin, m, sinks, scale)  # noqa: E731
-    elif isinstance(keys, PlainStream):
-        from .decode_attention import plain_attention, supports
-
-        if not supports(keys, values, cos is not None):
-            return None
-        run = lambda q, m: plain_attention(q, keys, values, m, sinks, scale)  # noqa: E731
-    else:
-        return None
     batch, heads, group, dim = query.shape
     sinks = sink_keys.shape[2]
-    grouped = query.reshape(batch, heads * group, 1, dim)
-    state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + 1)
+    state = OnlineSoftmax(query.reshape(batch, heads * group, 1, dim), scale, None if mask is None else mask[:, None],
+                          causal_offset + 1)  # fmt: skip
     if sinks:
         state.add(sink_keys, sink_values)
-    acc, maximum, total = run(query, mask[:, 0] if mask is not None else None)
+    acc, maximum, total = delta_attention(query, keys, values, cos, sin, None if mask is None else mask[:, 0], sinks,
+                                          scale)  # fmt: skip
     state.merge(acc[:, :, :, None], maximum[..., None], total[..., None])
     return state.result().reshape(batch, heads, group, dim)

@@ -17,6 +17,8 @@ Nothing the size of the history is written; the splits' statistics are `splits Ã
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +27,7 @@ from ...quant import QuantizedTensor
 from ...quant.bitplanes import MAX_BITS
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, PlainStream, RopeAngles
-from .common import butterflies, log2_of, saturate_fp16, turned_cos_sin
-from .decode_attention import TILE_KINDS
+from .common import TILE_KINDS, butterflies, log2_of, saturate_fp16, turned_cos_sin
 
 WORDS = {8: tl.uint8, 16: tl.uint16, 32: tl.uint32, 64: tl.uint64}  # a plane of a group of this many tokens
 TILE_TOKENS = 16  # tokens decoded and scored at a time (head_dim 256: half): what keeps the tiles in registers
@@ -194,7 +195,7 @@ def _adaptive_merge_kernel(
     sqb, sqh, sqg, skb, skh, skt, svb, svh, svt, stb, sth, stt, sxb, sxt, scb, sch, swb, swh, smb, smt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
-    STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr,
+    STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b, h = bh // kv_heads, bh % kv_heads
@@ -222,7 +223,7 @@ def _adaptive_merge_kernel(
     rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
     q_lo = tl.load(rows + c[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
     q_hi = tl.load(rows + half + c[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
-    if tail_tokens > 0:  # the raw tail after the coded groups (values still rotated, like the splits'), T at a time
+    if TAIL:  # the raw tail after the coded groups (values still rotated, like the splits'), T at a time
         freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
         step_cos, step_sin = turned_cos_sin(tl.arange(0, T)[:, None], freqs[None, :])
         for part in tl.static_range(GS // T):
@@ -299,7 +300,6 @@ def adaptive_attention(
     g_pad = max(triton.next_power_of_2(group), 16 if dot else 1)
     n_coded = 0 if keys.planes is None else keys.planes.shape[2]
     coded = n_coded * keys.group - keys.offset if n_coded else 0
-    tail_tokens = keys.tail.shape[2]
     splits = min(MAX_SPLITS, triton.cdiv(keys.length, TOKENS_PER_SPLIT), n_coded)  # none without coded groups
     per_split = triton.cdiv(n_coded, splits) if splits else 0
     splits = triton.cdiv(n_coded, per_split) if splits else 0
@@ -327,16 +327,65 @@ def adaptive_attention(
             V_BITS=v.fmt.bits, V_ASYM=v.mins is not None, ROPE=rope is not None, MASK=mask is not None,
             MOST=MAX_BITS, DOT=dot, num_warps=4 if dim < 128 else 8,
         )  # fmt: skip
-    out = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device=device)
+    tail = Tail(keys.tail, coded, positions, freqs, v, keys.group, tile, rope is not None)
+    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, g_pad, tail, dot)
+
+
+@dataclass(frozen=True)
+class Tail:
+    """Raw keys after the splits' tokens, attended by the merge (`_attend`): `tokens [batch, kv_heads, < group, dim]`
+    (before RoPE when `rope`), stream tokens `coded...` on, with their values in `values` (rotated like the splits')."""
+
+    tokens: torch.Tensor
+    coded: int
+    positions: torch.Tensor
+    freqs: torch.Tensor
+    values: QuantizedTensor
+    group: int
+    tile: int
+    rope: bool
+
+
+def merge_splits(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    scale: float,
+    rotation: int,
+    g_pad: int,
+    tail: Tail | None = None,
+    dot: bool = False,
+) -> torch.Tensor:
+    """`_adaptive_merge_kernel`: the splits' statistics `partials` (`o [rows, splits, g_pad, dim]` in channel order,
+    values rotated by `rotation`; `m`, `l [rows, splits, g_pad]`), the raw `tail` if any and the sinks merged into the
+    normalised fp32 output `[batch, kv_heads, group, dim]`."""
+    batch, kv_heads, group, dim = query.shape
+    o, m, l_sum = partials
+    mask_rows = mask if mask is not None else query
+    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
+    if tail is None:  # nothing read but the splits and the sinks (stand-ins for the tail's tensors)
+        tokens, coded, positions, freqs, rope, gs, tile = query[:, :, :0], 0, query, query, False, dim, dim
+        v_codes = v_scales = v_mins = query
+        v_block, v_bits, v_asym = dim, 4, False
+    else:
+        tokens, coded, positions, freqs, rope, gs, tile = (tail.tokens, tail.coded, tail.positions, tail.freqs,
+                                                           tail.rope, tail.group, tail.tile)  # fmt: skip
+        v = tail.values
+        v_codes = v.codes.view(torch.int8) if v.fmt.bits == 8 else v.codes
+        v_scales, v_mins = v.scales, v.mins if v.mins is not None else v.scales
+        v_block, v_bits, v_asym = v.fmt.block_size, v.fmt.bits, v.mins is not None
+    out = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device=query.device)
     _adaptive_merge_kernel[(batch * kv_heads,)](
-        query, sink_keys, sink_values, keys.tail, positions, freqs, v_codes, v.scales, v_mins, mask_rows,
+        query, sink_keys, sink_values, tokens, positions, freqs, v_codes, v_scales, v_mins, mask_rows,
         o, m, l_sum, out,
-        kv_heads, splits, sink_keys.shape[2], coded, tail_tokens, float(scale),
-        *query.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3], *keys.tail.stride()[:3],
-        positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1), v.scales.stride(0),
-        v.scales.stride(1), *mask_strides,
-        GROUP=group, G_PAD=g_pad, D=dim, GS=keys.group, T=tile, V_BLOCK=v.fmt.block_size, V_BITS=v.fmt.bits,
-        V_ASYM=v.mins is not None, ROPE=rope is not None, MASK=mask is not None, STAGES=log2_of(values.rotation),
-        ROT_SCALE=rotation_scale(values.rotation) if values.rotation else 1.0, DOT=dot, num_warps=4 if dim < 256 else 8,
+        kv_heads, o.shape[1], sink_keys.shape[2], coded, tokens.shape[2], float(scale),
+        *query.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3], *tokens.stride()[:3],
+        positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1), v_scales.stride(0),
+        v_scales.stride(1), *mask_strides,
+        GROUP=group, G_PAD=g_pad, D=dim, GS=gs, T=tile, V_BLOCK=v_block, V_BITS=v_bits, V_ASYM=v_asym, ROPE=rope,
+        MASK=mask is not None, STAGES=log2_of(rotation), ROT_SCALE=rotation_scale(rotation) if rotation else 1.0,
+        DOT=dot, TAIL=tokens.shape[2] > 0, num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out

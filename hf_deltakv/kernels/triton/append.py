@@ -2,8 +2,9 @@
 
 - `undo_rope_into`: new keys turned back by their RoPE, saturated to fp16, into the raw tail of the adaptive keys.
   Specification: `reference.undo_rope_into`.
-- `quantize_at`: new tokens rotated (Hadamard butterflies) and quantized to q4_0 (or q4_0_16) with the searched
-  scale, into their rows. Specification: `reference.quantize_at` (the same bytes).
+- `quantize_at`: new tokens rotated (Hadamard butterflies) and quantized into their rows, in any format (q4_0,
+  q4_1, q8_0, q3_0, f16 and the 16-wide variants; the symmetric ones with the searched scale when asked).
+  Specification: `reference.quantize_at` (the same bytes).
 - `add_query_energy`: the queries' pair energies averaged per kv head, added to the encoder's running sum (a new
   tensor). Specification: `reference.add_query_energy` (the same floats).
 
@@ -19,13 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant import Kind, QuantizedTensor, get_format
+from ...quant import Kind, QuantizedTensor, check_search_scale, get_format
 from ...quant.blocks import SCALE_SEARCH
 from ..hadamard import rotation_scale
 from .common import EXACT, FP16_MAX, butterflies, log2_of, rope_cos_sin, saturate_fp16
-
-SEARCH = tuple(float(d) for d in SCALE_SEARCH[8])  # q4_0's searched divisors (`quant.quantize`)
-
+from .decode_attention import F16, Q3_SYM, Q4_ASYM, Q8, ROW_KINDS
 
 ROWS_MOST = 16  # tokens a program of the append kernels handles (a prefill's; a decoding step has one)
 
@@ -87,68 +86,118 @@ def undo_rope_into(
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr, codes_ptr, scales_ptr,
-    heads, at, n,
-    sxb, sxh, sxt, sxd, scb, sch, sct, ssb, ssh, sst,
-    D: tl.constexpr, BS: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr, DIVISORS: tl.constexpr,
-    ROWS: tl.constexpr,
-):  # fmt: skip
-    bh, tile = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    per_row: tl.constexpr = D // BS
-    nb: tl.constexpr = ROWS * per_row  # the tile's blocks, row after row
-    t = tile * ROWS + tl.arange(0, ROWS)[:, None]
-    x = tl.load(x_ptr + b * sxb + h * sxh + t * sxt + tl.arange(0, D)[None, :] * sxd, mask=t < n, other=0.0)
-    x = x.to(tl.float32)  # [ROWS, D]
-    if STAGES > 0:
-        x = butterflies(x, ROWS, D, STAGES, SCALE)
-    x = tl.reshape(x, (nb, BS))
-    cols = tl.arange(0, BS)[None, :]
-    magnitude = tl.abs(x)
-    nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    finite = tl.sum(((x == x) & (magnitude != float("inf"))).to(tl.int32), axis=1) == BS
-    top = tl.max(magnitude, axis=1)
-    first = tl.min(tl.where(magnitude == top[:, None], cols, BS), axis=1)  # torch.argmax: the first on ties
-    peak = tl.sum(tl.where(cols == first[:, None], x, 0.0), axis=1)
-    best_codes = tl.zeros((nb, BS), tl.float32)
-    best_scale = tl.zeros((nb,), tl.float32)
-    best_error = tl.full((nb,), float("inf"), tl.float64)
+def _symmetric_codes(x, peak, OFFSET: tl.constexpr, DIVISORS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
+    """`quant.blocks._quantize_symmetric` of blocks `x [nb, BS]`: unclipped-then-clipped fp32 codes and the fp32
+    scale of the divisor with the least error (the first on ties; a NaN error never wins)."""
+    best_codes = tl.zeros((NB, BS), tl.float32)
+    best_scale = tl.zeros((NB,), tl.float32)
+    best_error = tl.full((NB,), float("inf"), tl.float64)
     for i in tl.static_range(len(DIVISORS)):
         d = tl.math.div_rn(peak, -DIVISORS[i])
         d = tl.minimum(tl.maximum(d, -FP16_MAX), FP16_MAX)
         inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
-        scaled = x * inv[:, None] + 8.5
+        scaled = x * inv[:, None] + (OFFSET + 0.5)
         codes = tl.where((scaled == scaled) & (tl.abs(scaled) != float("inf")), tl.floor(scaled), 0.0)
-        codes = tl.minimum(tl.maximum(codes, 0.0), 15.0)
+        codes = tl.minimum(tl.maximum(codes, 0.0), 2.0 * OFFSET - 1.0)
         if len(DIVISORS) == 1:
             best_codes, best_scale = codes, d
         else:
             stored = d.to(tl.float16).to(tl.float32)
-            error = ((codes - 8.0) * stored[:, None] - x).to(tl.float64)
+            error = ((codes - OFFSET) * stored[:, None] - x).to(tl.float64)
             error = tl.sum(error * error, axis=1)
-            if i == 0:  # the first divisor's codes stand until another's error is smaller (a NaN error never is)
+            if i == 0:
                 best_codes, best_scale, best_error = codes, d, error
             else:
                 better = error < best_error
                 best_codes = tl.where(better[:, None], codes, best_codes)
                 best_scale = tl.where(better, d, best_scale)
                 best_error = tl.where(better, error, best_error)
-    best_codes = tl.where(nan[:, None], 0.0, best_codes).to(tl.uint8)
-    low, high = tl.split(tl.permute(tl.reshape(best_codes, (nb, 2, BS // 2)), (0, 2, 1)))
-    blocks = tl.arange(0, nb)
-    token = tile * ROWS + blocks // per_row  # each block's token and its place in the token's row
-    live = token < n
-    out = codes_ptr + b * scb + h * sch + (at + token) * sct + (blocks % per_row) * (BS // 2)
-    tl.store(out[:, None] + tl.arange(0, BS // 2)[None, :], low | (high << 4), mask=live[:, None])
-    scale = tl.where(finite, best_scale, float("nan")).to(tl.float16)
-    tl.store(scales_ptr + b * ssb + h * ssh + (at + token) * sst + blocks % per_row, scale, mask=live)
+    return best_codes, best_scale
+
+
+@triton.jit
+def _finite_floor(scaled):
+    """`_finite_or_zero(trunc(scaled))` for the non-negative or clipped-to-zero codes of the 4-bit formats."""
+    return tl.where((scaled == scaled) & (tl.abs(scaled) != float("inf")), tl.floor(scaled), 0.0)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, codes_ptr, scales_ptr, mins_ptr,
+    heads, at, n,
+    sxb, sxh, sxt, sxd, scb, sch, sct, ssb, ssh, sst,
+    D: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr,
+    DIVISORS: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    t = tile * ROWS + tl.arange(0, ROWS)[:, None]
+    x = tl.load(x_ptr + b * sxb + h * sxh + t * sxt + tl.arange(0, D)[None, :] * sxd, mask=t < n, other=0.0)
+    x = x.to(tl.float32)  # [ROWS, D]
+    if STAGES > 0:
+        x = butterflies(x, ROWS, D, STAGES, SCALE)
+    if KIND == F16:  # finite values saturated, ±inf and NaN kept (`quant.quantize_f16`)
+        finite_x = (x == x) & (tl.abs(x) != float("inf"))
+        y = tl.where(finite_x, saturate_fp16(x), x)
+        tl.store(codes_ptr + b * scb + h * sch + (at + t) * sct + tl.arange(0, D)[None, :], y.to(tl.float16),
+                 mask=t < n)  # fmt: skip
+    else:
+        per_row: tl.constexpr = D // BS
+        nb: tl.constexpr = ROWS * per_row  # the tile's blocks, row after row
+        x = tl.reshape(x, (nb, BS))
+        cols = tl.arange(0, BS)[None, :]
+        magnitude = tl.abs(x)
+        nan = tl.max((x != x).to(tl.int32), axis=1) > 0  # (tl.max need not propagate NaN as torch's does: codes 0)
+        finite = tl.sum(((x == x) & (magnitude != float("inf"))).to(tl.int32), axis=1) == BS
+        blocks = tl.arange(0, nb)
+        token = tile * ROWS + blocks // per_row  # each block's token and its place in the token's row
+        live = token < n
+        row = b * scb + h * sch + (at + token) * sct
+        if KIND == Q8:
+            d = tl.minimum(tl.math.div_rn(tl.max(magnitude, axis=1), tl.full((nb,), 127.0, tl.float32)), FP16_MAX)
+            inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
+            scaled = x * inv[:, None]
+            q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5))  # round half away from zero
+            q = tl.where((q == q) & (tl.abs(q) != float("inf")), q, 0.0)
+            q = tl.where(nan[:, None], 0.0, tl.minimum(tl.maximum(q, -127.0), 127.0)).to(tl.int8)
+            out = codes_ptr + row + (blocks % per_row) * BS
+            tl.store(out[:, None] + cols, q, mask=live[:, None])
+            best_scale = d
+        elif KIND == Q4_ASYM:
+            lo = tl.minimum(tl.maximum(tl.min(x, axis=1), -FP16_MAX), FP16_MAX)
+            d = tl.math.div_rn(tl.max(x, axis=1) - lo, tl.full((nb,), 15.0, tl.float32))
+            d = tl.minimum(tl.maximum(d, -FP16_MAX), FP16_MAX)
+            inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
+            codes = tl.minimum(tl.maximum(_finite_floor((x - lo[:, None]) * inv[:, None] + 0.5), 0.0), 15.0)
+            tl.store(mins_ptr + b * ssb + h * ssh + (at + token) * sst + blocks % per_row,
+                     tl.where(finite, lo, float("nan")).to(tl.float16), mask=live)  # fmt: skip
+            best_scale = d
+        else:
+            first = tl.min(tl.where(magnitude == tl.max(magnitude, axis=1)[:, None], cols, BS), axis=1)  # torch.argmax
+            peak = tl.sum(tl.where(cols == first[:, None], x, 0.0), axis=1)
+            codes, best_scale = _symmetric_codes(x, peak, 4 if KIND == Q3_SYM else 8, DIVISORS, nb, BS)
+        if KIND == Q3_SYM:  # `pack_3bit`: 2 low bits of codes j, j + 8, j + 16, j + 24 in byte j; high bits in 8-11
+            c = tl.reshape(tl.where(nan[:, None], 0.0, codes).to(tl.int32), (nb, 4, 8))
+            shift = tl.arange(0, 4)[None, :, None]
+            low = tl.sum((c & 3) << (2 * shift), axis=1)  # [nb, 8]
+            high = tl.sum((c >> 2) << tl.arange(0, 8)[None, None, :], axis=2)  # [nb, 4]
+            out = codes_ptr + row + (blocks % per_row) * 12
+            tl.store(out[:, None] + tl.arange(0, 8)[None, :], low.to(tl.uint8), mask=live[:, None])
+            tl.store(out[:, None] + 8 + tl.arange(0, 4)[None, :], high.to(tl.uint8), mask=live[:, None])
+        elif KIND != Q8:  # 4-bit: byte j holds code j (low nibble) and code j + BS/2 (high)
+            codes = tl.where(nan[:, None], 0.0, codes).to(tl.uint8)
+            low, high = tl.split(tl.permute(tl.reshape(codes, (nb, 2, BS // 2)), (0, 2, 1)))
+            out = codes_ptr + row + (blocks % per_row) * (BS // 2)
+            tl.store(out[:, None] + tl.arange(0, BS // 2)[None, :], low | (high << 4), mask=live[:, None])
+        scale = tl.where(finite, best_scale, float("nan")).to(tl.float16)
+        tl.store(scales_ptr + b * ssb + h * ssh + (at + token) * sst + blocks % per_row, scale, mask=live)
 
 
 def serves_quantize(fmt: str, dim: int) -> bool:
-    """q4_0 and q4_0_16 rows of a power-of-two width: what `quantize_at` codes (rotated or not, searched or not)."""
+    """Every format (`decode_attention.ROW_KINDS`) over rows of a power-of-two width tiled by its blocks: what
+    `quantize_at` codes (rotated or not, searched or not)."""
     block = get_format(fmt).block_size
-    return get_format(fmt).kind == Kind.Q4_SYM and dim % block == 0 and dim >= block and not dim & (dim - 1)
+    return get_format(fmt).kind in ROW_KINDS and dim % block == 0 and dim >= max(block, 2) and not dim & (dim - 1)
 
 
 def quantize_at(
@@ -156,17 +205,21 @@ def quantize_at(
 ) -> None:
     """`reference.quantize_at` (see there) for the formats of `serves_quantize`."""
     batch, heads, n, dim = x.shape
+    form = check_search_scale(fmt, search_scale)
     if not n:
         return
-    codes, scales = target.codes, target.scales
+    codes = target.codes.view(torch.int8) if form.kind == Kind.Q8 else target.codes
+    scales = target.scales if target.scales is not None else codes  # (f16: no scales)
+    mins = target.mins if target.mins is not None else scales
     rows = _rows(n)
+    divisors = SCALE_SEARCH[4 if form.kind == Kind.Q3_SYM else 8]
     _quantize_rows_kernel[(batch * heads, triton.cdiv(n, rows))](
-        x, codes, scales,
+        x, codes, scales, mins,
         heads, at, n,
         *x.stride(), *codes.stride()[:3], *scales.stride()[:3],
-        D=dim, BS=get_format(fmt).block_size, STAGES=log2_of(rotation),
-        SCALE=rotation_scale(rotation) if rotation else 1.0, DIVISORS=SEARCH if search_scale else SEARCH[:1],
-        ROWS=rows, **EXACT,
+        D=dim, BS=form.block_size, KIND=int(form.kind), STAGES=log2_of(rotation),
+        SCALE=rotation_scale(rotation) if rotation else 1.0,
+        DIVISORS=tuple(float(d) for d in (divisors if search_scale else divisors[:1])), ROWS=rows, **EXACT,
     )  # fmt: skip
 
 

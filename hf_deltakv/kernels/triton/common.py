@@ -8,8 +8,10 @@ import triton
 import triton.language as tl
 
 from ...quant.blocks import FP16_MAX as FP16_MAX_VALUE
+from ...quant.table import Kind
 
 FP16_MAX = tl.constexpr(FP16_MAX_VALUE)
+TILE_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # the block arithmetic every attention kernel decodes values in
 # Launch options of kernels held to a reference's floats: no fused multiply-add where the reference rounds twice.
 EXACT = {"enable_fp_fusion": False}
 
