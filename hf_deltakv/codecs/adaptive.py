@@ -27,13 +27,13 @@ from .. import kernels
 from ..kernels.reference import CLIP_ELEMENTS, CLIPS, allocate_bits, clipped_codes  # noqa: F401 - the codec's spec
 from ..quant import owned, saturate_fp16
 from ..quant.bitplanes import MAX_BITS
-from .base import ROOM_AHEAD_GROUPS, StreamCodec, batched_growth
+from .base import RawTailCodec, batched_growth
 
 GROUPS = (8, 16, 32, 64)  # token group sizes (a plane is a whole number of bytes; the kernels read up to 64)
 CODED = ("planes", "depths", "low", "step")  # the state of coded groups, one row per group
 
 
-class AdaptiveChannelCodec(StreamCodec):
+class AdaptiveChannelCodec(RawTailCodec):
     """Groups of tokens coded per channel at query-weighted bit depths.
 
     Args:
@@ -84,27 +84,10 @@ class AdaptiveChannelCodec(StreamCodec):
             raise ValueError(f"bits * head_dim must be a whole number of bits, got {self.bits} * {dim}")
         return int(total)
 
-    def append(self, x: torch.Tensor) -> None:
-        self._append_tail(x, lambda target, at: kernels.reference.write_rows(target, saturate_fp16(x), at))
-
-    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
-        """New keys as the model gives them, turned back by their RoPE (`turn`) and saturated to fp16 straight into
-        the raw tail's room (`kernels.undo_rope_into`: one kernel on GPUs)."""
-        positions, freqs, order = turn if turn is not None else (None, None, None)
-        self._append_tail(x, lambda target, at: kernels.undo_rope_into(x, positions, freqs, order, target, at))
-
     def _append_tail(self, x: torch.Tensor, write) -> None:
-        """`write(buffer, row)` writes the tokens `x` `[B, H, n, D]` into the tail's buffer, which keeps room for a
-        whole group once decoding appends to it (a group's tokens are then never copied before they are coded)."""
         if self.tail is None:
             self._budget(x.shape[-1])
-        batch, heads, n, dim = x.shape
-        make = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
-        room = self.group if self.length >= ROOM_AHEAD_GROUPS * self.group else 0  # (short streams grow as needed)
-        target, at = self._reserve("tail", n, make, minimum=room)
-        write(target, at)
-        self._commit_rows("tail", n)
-        self.length += n
+        super()._append_tail(x, write)
 
     def observe(self, energy: torch.Tensor, first: int) -> None:
         """Queries' pair energies `[B, H, n, D]` at absolute positions `first ... first + n - 1`, in order; positions

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from ..kernels.hadamard import rotate
-from ..quant import QuantizedTensor, nbytes_of, owned
+from ..quant import QuantizedTensor, nbytes_of, owned, saturate_fp16
 
 State = torch.Tensor | QuantizedTensor | None
 
@@ -187,6 +187,33 @@ ROOM_MIN = 1
 # raw tail keeps room for a group, the values and positions for the tokens up to the next group's end. Streams
 # shorter than this many groups grow as above instead (room for a group ahead would be most of what they hold).
 ROOM_AHEAD_GROUPS = 2
+
+
+class RawTailCodec(StreamCodec):
+    """A stream coded `group` tokens at a time: new tokens go raw (fp16) into `tail`, a buffer that keeps room for a
+    whole group once decoding appends to it (a group's tokens are then never copied before they are coded)."""
+
+    group: int
+    tail: torch.Tensor | None
+
+    def append(self, x: torch.Tensor) -> None:
+        self._append_tail(x, lambda target, at: kernels.reference.write_rows(target, saturate_fp16(x), at))
+
+    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
+        """New tokens as the model gives them, turned back by their RoPE (`turn`) and saturated to fp16 straight into
+        the raw tail's room (`kernels.undo_rope_into`: one kernel on GPUs)."""
+        positions, freqs, order = turn if turn is not None else (None, None, None)
+        self._append_tail(x, lambda target, at: kernels.undo_rope_into(x, positions, freqs, order, target, at))
+
+    def _append_tail(self, x: torch.Tensor, write) -> None:
+        """`write(buffer, row)` writes the tokens `x` `[B, H, n, D]` into the tail's buffer."""
+        batch, heads, n, dim = x.shape
+        make = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
+        room = self.group if self.length >= ROOM_AHEAD_GROUPS * self.group else 0  # (short streams grow as needed)
+        target, at = self._reserve("tail", n, make, minimum=room)
+        write(target, at)
+        self._commit_rows("tail", n)
+        self.length += n
 
 
 class GrowingRows:

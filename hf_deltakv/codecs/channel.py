@@ -13,10 +13,10 @@ import torch
 
 from .. import kernels
 from ..quant import QuantizedTensor, get_format, owned, saturate_fp16
-from .base import ROOM_AHEAD_GROUPS, StreamCodec, batched_growth, growth_pending
+from .base import RawTailCodec, batched_growth, growth_pending
 
 
-class ChannelGroupCodec(StreamCodec):
+class ChannelGroupCodec(RawTailCodec):
     """Per-channel block quantization over groups of tokens.
 
     New tokens are written (saturated to fp16; keys turned back by their RoPE first when asked) into the raw tail's
@@ -40,26 +40,11 @@ class ChannelGroupCodec(StreamCodec):
     def state_names(self) -> tuple[str, ...]:
         return ("groups", "tail")
 
-    def append(self, x: torch.Tensor) -> None:
-        self._append_tail(x, lambda target, at: kernels.reference.write_rows(target, saturate_fp16(x), at))
-
-    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
-        """New tokens as the model gives them, turned back by their RoPE (`turn`) and saturated to fp16 straight into
-        the raw tail's room (`kernels.undo_rope_into`: one kernel on GPUs)."""
-        positions, freqs, order = turn if turn is not None else (None, None, None)
-        self._append_tail(x, lambda target, at: kernels.undo_rope_into(x, positions, freqs, order, target, at))
-
     def _append_tail(self, x: torch.Tensor, write) -> None:
-        """`write(buffer, row)` writes the tokens `x` `[B, H, n, D]` into the tail's buffer (room for a group once
-        decoding appends to it), then the complete groups are coded (`flush`), or at the next read when a buffer grown
-        by this update has its old rows still to be copied (at the update's end, `base.batched_growth`)."""
-        batch, heads, n, dim = x.shape
-        make = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
-        room = self.group if self.length >= ROOM_AHEAD_GROUPS * self.group else 0  # (short streams grow as needed)
-        target, at = self._reserve("tail", n, make, minimum=room)
-        write(target, at)
-        self._commit_rows("tail", n)
-        self.length += n
+        """The tokens written into the raw tail (`RawTailCodec`), then its complete groups coded (`flush`), or at the
+        next read when a buffer grown by this update has its old rows still to be copied (at the update's end,
+        `base.batched_growth`)."""
+        super()._append_tail(x, write)
         if not growth_pending():
             self.flush()
 
