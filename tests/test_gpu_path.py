@@ -137,7 +137,7 @@ def test_the_default_cache_decodes_within_its_launch_and_sync_budget():
 
 # Registry caches whose decoding step still runs PyTorch over the whole history on the GPU path (issue 42): eviction
 # gathers and concatenates its fp16 history at every step. Strict: the test fails once they hold the budget.
-NOT_YET = {"streaming-llm", "snapkv"}
+NOT_YET: set[str] = set()
 COUNTED = [n for n, e in CACHES.items() if e.available() and not n.startswith("hf-") and n != "residual"]
 
 

@@ -242,7 +242,8 @@ class LaunchCounter:
             stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
 
     def _wrap_growth(self, stack: contextlib.ExitStack) -> None:
-        """Counts the stored buffers grown into larger ones (`move_rows`: one call per grown buffer)."""
+        """Counts the stored buffers grown into larger ones (`move_rows`: one call per grown buffer; an evicting cache's
+        `kernels.compact_kept`)."""
         from hf_deltakv.codecs import base as codecs_base
         from hf_deltakv.layers import base as layers_base
 
@@ -257,6 +258,18 @@ class LaunchCounter:
         for module in (codecs_base, layers_base):
             module.move_rows = counted
             stack.callback(lambda module=module: setattr(module, "move_rows", move_rows))
+        from hf_deltakv import kernels
+
+        compact = kernels.compact_kept  # an evicting cache's storage grown: its kept tokens copied into new buffers
+
+        def compacted(*args):
+            tally = counter._current()
+            if tally is not None:
+                tally.growths += 1
+            return compact(*args)
+
+        kernels.compact_kept = compacted
+        stack.callback(lambda: setattr(kernels, "compact_kept", compact))
 
     def _wrap_tensor_methods(self, stack: contextlib.ExitStack) -> None:
         counter = self

@@ -26,6 +26,10 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     stream_attention   cpu/stream_attention.cpp    | triton/adaptive_attention.py (adaptive keys + plain values),
                        (plain, delta streams)      |   decode_attention.py (plain keys + plain values: split, then
                                                    |   the adaptive merge), delta_attention.py (delta keys)
+    keep_rows          -                           | triton/kept.py (the evicting caches' new tokens, one launch)
+    compact_kept       -                           | triton/kept.py (the kept tokens into new storage, one launch)
+    kept_attention     -                           | triton/kept.py (one query per head: split over the slots, merge)
+    snapkv_evicted     -                           | triton/kept.py (from the attention kernel's observation)
     latent ops         cpu/latent.cpp              | triton/latent.py (dequantize only)
     sparse_matvec      cpu/sparse_matvec.cpp       | triton/sparse_matvec.py
 """
@@ -47,6 +51,8 @@ from .layout import (
     AdaptiveStream,
     ChannelStream,
     DeltaStream,
+    KeptStream,
+    Observation,
     PlainStream,
     RopeAngles,
     SnapshotSchedule,
@@ -58,6 +64,8 @@ __all__ = [
     "AdaptiveStream",
     "ChannelStream",
     "DeltaStream",
+    "KeptStream",
+    "Observation",
     "PlainStream",
     "RopeAngles",
     "SnapshotSchedule",
@@ -67,10 +75,13 @@ __all__ = [
     "allocate_depths",
     "code_delta",
     "code_groups",
+    "compact_kept",
     "copy_rows",
     "decode_stream",
     "delta_encode_groups",
     "dequantize_latent",
+    "keep_rows",
+    "kept_attention",
     "latent_attention",
     "pack_planes",
     "quantize",
@@ -78,6 +89,7 @@ __all__ = [
     "quantize_latent",
     "query_energy",
     "reference",
+    "snapkv_evicted",
     "sparse_matvec",
     "sparse_matvec_kernel",
     "stream_attention",
@@ -402,6 +414,76 @@ def stream_attention(
                 cpu_args = (_rope_arguments(rope, query.new_empty(0)), *args[1:])
                 return kernel(query, sink_keys, sink_values, keys, values, *cpu_args, compiled)
     return reference.stream_attention(query, sink_keys, sink_values, keys, values, *args)
+
+
+def keep_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    target: KeptStream,
+    at: int,
+    position: int,
+    pending: torch.Tensor | None = None,
+) -> None:
+    """`reference.keep_rows` (an evicting cache's new tokens written into their slots), dispatched: one Triton launch
+    on GPUs, the reference elsewhere. The same bytes (tested)."""
+    if use_triton(keys.device):
+        from .triton.kept import keep_rows as kernel
+        from .triton.kept import serves
+
+        if serves(target.keys, target.values) and target.index.stride(-1) == 1:
+            return kernel(keys, values, target, at, position, pending)
+    reference.keep_rows(keys, values, target, at, position, pending)
+
+
+def compact_kept(kept: KeptStream, pending: torch.Tensor | None, target: KeptStream) -> None:
+    """`reference.compact_kept` (an evicting cache's kept tokens, in order, into new storage), dispatched: one Triton
+    launch on GPUs for a decoding step's few pending slots, the reference otherwise. The same bytes (tested)."""
+    if use_triton(kept.keys.device) and (pending is None or pending.shape[2] <= 4):
+        from .triton.kept import compact_kept as kernel
+        from .triton.kept import serves
+
+        if serves(kept.keys, kept.values) and serves(target.keys, target.values) and kept.index.stride(-1) == 1:
+            return kernel(kept, pending, target)
+    reference.compact_kept(kept, pending, target)
+
+
+def kept_attention(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    kept: KeptStream,
+    mask: torch.Tensor | None,
+    scale: float,
+    query_position: int,
+    observe_from: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | Observation | None]:
+    """`reference.kept_attention` (attention over an evicting cache's sinks and kept tokens, and what SnapKV observes
+    of it), dispatched: one query per head on GPUs by the Triton kernels (two launches; the observation is then the
+    kernel's `Observation`, which `snapkv_evicted` reads), the reference otherwise."""
+    batch, q_heads, n, dim = query.shape
+    heads = kept.keys.shape[1]
+    if use_triton(query.device) and n == 1 and q_heads % heads == 0:
+        from .triton.kept import kept_attention as kernel
+        from .triton.kept import supports
+
+        rows = None if mask is None else mask[:, :, 0]
+        if supports(kept, rows):
+            grouped = query.reshape(batch, heads, q_heads // heads, dim)
+            out, observed = kernel(grouped, sink_keys, sink_values, kept, rows, scale, observe_from is not None)
+            return out.view(batch, q_heads, 1, dim), observed
+    return reference.kept_attention(query, sink_keys, sink_values, kept, mask, scale, query_position, observe_from)
+
+
+def snapkv_evicted(
+    kept: KeptStream, observed: torch.Tensor | Observation, drop: int, recent: int, kernel: int
+) -> torch.Tensor:
+    """`reference.snapkv_evicted` (the slots SnapKV evicts), dispatched: the Triton kernel (one launch) from the
+    attention kernel's `Observation`, the reference otherwise. The same slots (tested)."""
+    if isinstance(observed, Observation) and use_triton(observed.scores.device) and kept.index.stride(-1) == 1:
+        from .triton.kept import snapkv_evicted as evicted
+
+        return evicted(kept, observed, drop, recent, kernel)
+    return reference.snapkv_evicted(kept, observed, drop, recent, kernel)
 
 
 def dequantize_latent(

@@ -145,6 +145,36 @@ class AdaptiveStream:
     kind: StreamKind = StreamKind.ADAPTIVE
 
 
+@dataclass(frozen=True)
+class KeptStream:
+    """The tokens an evicting cache keeps at full precision, in slots (`layers.evicting`): `keys` and `values` fp16
+    `[batch, heads, slots, dim]`, `index` int32 `[batch, heads, slots]`, each slot's position (-1: evicted). Slots
+    before `first` are evicted in every head; from `first` on, slots hold tokens in the order of their positions, `live`
+    of them not evicted in each head (an evicted slot stays until the storage is compacted)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    index: torch.Tensor
+    first: int
+    live: int
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[2]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What SnapKV observes of a decoding step, as the attention kernel leaves it: each query head's scaled scores on
+    each slot (fp32 `[batch * heads, group_pad, slots]`, -inf where not attended) and its softmax's final max and sum
+    over the sinks and the slots (fp32 `[batch * heads, group_pad]`); rows past `group` are padding."""
+
+    scores: torch.Tensor
+    maximum: torch.Tensor
+    total: torch.Tensor
+    group: int
+
+
 StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream
 
 

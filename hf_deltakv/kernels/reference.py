@@ -13,21 +13,34 @@ from ..quant.bitplanes import MAX_BITS, unpack_planes
 from ..quant.bitplanes import pack_planes as _pack_planes
 from ..rope import RopeForm, rotate_pairs
 from .hadamard import rotate
-from .layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
+from .layout import (
+    AdaptiveStream,
+    ChannelStream,
+    DeltaStream,
+    KeptStream,
+    Observation,
+    PlainStream,
+    RopeAngles,
+    StreamLayout,
+)
 from .online_softmax import CHUNK_TOKENS, OnlineSoftmax
 
 __all__ = [
     "code_delta",
+    "compact_kept",
     "decode_stream",
     "delta_encode_groups",
     "dequantize",
     "dequantize_latent",
+    "keep_rows",
+    "kept_attention",
     "kept_channels",
     "latent_attention",
     "long_term_reference",
     "quantize",
     "quantize_latent",
     "segmented_prefix_sum",
+    "snapkv_evicted",
     "sparse_matvec",
     "stream_attention",
 ]
@@ -592,6 +605,144 @@ def stream_attention(
             chunk_keys = rotate_pairs(chunk_keys, cos[:, None], sin[:, None])
         state.add(chunk_keys, decode_stream(values, start, end), start=sinks + start)
     return state.result().reshape(batch, heads, rows, -1)
+
+
+# --- eviction: the kept tokens stored, attended, and what SnapKV evicts -------------------------------------------
+
+QUERY_CHUNK = 256  # queries attended at a time over the kept tokens (bounds the score buffer)
+
+
+def keep_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    target: KeptStream,
+    at: int,
+    position: int,
+    pending: torch.Tensor | None = None,
+) -> None:
+    """New tokens `[batch, heads, n, dim]` (any float dtype) stored in the slots `at...` of `target`'s buffers (which
+    reach that far), saturated to fp16, with positions `position...`; first, the slots `pending` (int64
+    `[batch, heads, k]`) are marked evicted (-1)."""
+    if pending is not None:
+        target.index.scatter_(2, pending, -1)
+    n = keys.shape[2]
+    target.keys[:, :, at : at + n] = saturate_fp16(keys)
+    target.values[:, :, at : at + n] = saturate_fp16(values)
+    target.index[:, :, at : at + n] = torch.arange(position, position + n, dtype=torch.int32, device=keys.device)
+
+
+def compact_kept(kept: KeptStream, pending: torch.Tensor | None, target: KeptStream) -> None:
+    """The tokens `kept` holds, less the slots `pending` (int64 `[batch, heads, k]`, or None), written in order into
+    the first `kept.live` slots of `target`'s buffers (keys, values and positions)."""
+    index = kept.index if pending is None else kept.index.scatter(2, pending, -1)
+    slots, live = kept.slots, kept.live
+    place = torch.arange(kept.first, slots, device=index.device)
+    order = torch.where(index[:, :, kept.first :] >= 0, place, slots).sort(dim=-1).values[..., :live]
+    for stored, into in ((kept.keys, target.keys), (kept.values, target.values)):
+        into[:, :, :live] = stored.gather(2, order[..., None].expand(*order.shape, stored.shape[-1]))
+    target.index[:, :, :live] = index.gather(2, order)
+
+
+def kept_attention(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    kept: KeptStream,
+    mask: torch.Tensor | None,
+    scale: float,
+    query_position: int,
+    observe_from: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over an evicting cache's raw sinks (positions 0...) and the tokens it keeps, in fp32, and what SnapKV
+    observes of it.
+
+    Args:
+        query: `[batch, q_heads, n, dim]`, queries at positions `query_position...`.
+        sink_keys, sink_values: `[batch, kv_heads, sinks, dim]` (sinks may be 0).
+        kept: the kept tokens (`KeptStream`).
+        mask: bool `[batch, 1 | q_heads, n, positions]` over every position (a token's column is its position), or
+            None: causal.
+        observe_from: with it, SnapKV's observation is returned: the softmax weights of queries `observe_from...` on
+            each slot, summed over them and the query heads of its kv head (fp32 `[batch, kv_heads, slots]`, 0 where
+            evicted).
+
+    Returns:
+        fp32 `[batch, q_heads, n, dim]` (a query that may attend no token gets zeros), and the observation or None.
+    """
+    batch, q_heads, n, dim = query.shape
+    kv_heads, slots = kept.keys.shape[1], kept.slots
+    group = q_heads // kv_heads
+    sinks = sink_keys.shape[2]
+    index = kept.index.clone()
+    index[:, :, : kept.first] = -1
+    sink_positions = torch.arange(sinks, dtype=torch.int32, device=query.device).expand(batch, kv_heads, sinks)
+    positions = torch.cat([sink_positions, index], dim=2)
+    keys = torch.cat([sink_keys.float(), kept.keys.float()], dim=2)
+    values = torch.cat([sink_values.float(), kept.values.float()], dim=2)
+    q = query.float().view(batch, kv_heads, group, n, dim)
+    outputs, observed = [], None
+    for start in range(0, n, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, n)
+        allowed = _kept_allowed(mask, positions, query_position, start, end, group)  # [B, H, g | 1, c, m]
+        scores = torch.einsum("bhgcd,bhmd->bhgcm", q[:, :, :, start:end], keys) * scale
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).masked_fill(~allowed, 0.0)
+        outputs.append(torch.einsum("bhgcm,bhmd->bhgcd", weights, values))
+        first = max(start, observe_from) if observe_from is not None else end
+        if end > first:
+            seen = weights[:, :, :, first - start :, sinks:].sum((2, 3))
+            observed = seen if observed is None else observed + seen
+    if observe_from is not None and observed is None:
+        observed = query.new_zeros(batch, kv_heads, slots, dtype=torch.float32)
+    return torch.cat(outputs, dim=3).view(batch, q_heads, n, values.shape[-1]), observed
+
+
+def _kept_allowed(mask, positions: torch.Tensor, query_position: int, start: int, end: int, group: int):
+    """bool `[batch, kv_heads, group | 1, end - start, slots]`: which of queries `start:end` may attend each token
+    (`positions` `[batch, kv_heads, m]`, -1: evicted)."""
+    batch, heads, _ = positions.shape
+    alive = (positions >= 0)[:, :, None, None, :]
+    at = positions.long().clamp(min=0)[:, :, None, None, :]
+    if mask is None:
+        last = query_position + torch.arange(start, end, device=positions.device)
+        return alive & (at <= last[None, None, None, :, None])
+    mask = mask[:, :, start:end]
+    mask = mask.reshape(batch, heads, group, *mask.shape[2:]) if mask.shape[1] != 1 else mask[:, :, None]
+    gather = at.expand(batch, heads, mask.shape[2], end - start, at.shape[-1])
+    return alive & mask.expand(batch, heads, *mask.shape[2:]).gather(-1, gather)
+
+
+def observed_importance(observation: Observation, kept: KeptStream) -> torch.Tensor:
+    """SnapKV's observation of one query per head (`Observation`: the attention kernel's scores and softmax
+    statistics, over the slots of `kept` from `kept.first` on) as `kept_attention` returns it: fp32
+    `[batch, heads, slots]`."""
+    heads, first = kept.index.shape[1], kept.first
+    scores = observation.scores[:, : observation.group, first:]
+    maximum = observation.maximum[:, : observation.group, None]
+    total = observation.total[:, : observation.group, None]
+    safe = torch.where(maximum == float("-inf"), torch.zeros_like(maximum), maximum)
+    weights = torch.where(total > 0, torch.exp(scores - safe) / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return torch.nn.functional.pad(weights.sum(1), (first, 0)).view(-1, heads, kept.slots)
+
+
+def snapkv_evicted(
+    kept: KeptStream, observed: torch.Tensor | Observation, drop: int, recent: int, kernel: int
+) -> torch.Tensor:
+    """The slots SnapKV evicts, int64 `[batch, heads, drop]`: the kept tokens in the order of their positions, each
+    one's observed weight (`kept_attention`'s observation, or the kernel's `Observation`) max-pooled over `kernel`
+    neighbours in that order, the last `recent` never chosen; the `drop` lowest, the oldest first among equals."""
+    batch, heads, slots = kept.index.shape
+    if isinstance(observed, Observation):
+        observed = observed_importance(observed, kept)
+    live = kept.live
+    place = torch.arange(kept.first, slots, device=kept.index.device)
+    order = torch.where(kept.index[:, :, kept.first :] >= 0, place, slots).sort(dim=-1).values[..., :live]
+    weight = observed.gather(2, order)
+    score = torch.nn.functional.max_pool1d(
+        weight.reshape(batch * heads, 1, live), kernel, stride=1, padding=kernel // 2
+    ).view(batch, heads, live)
+    score[:, :, live - recent :] = float("inf")
+    chosen = score.sort(dim=-1, stable=True).indices[..., :drop]
+    return order.gather(2, chosen)
 
 
 # --- the residual cache and weight skip ---------------------------------------------------------------------------

@@ -19,14 +19,15 @@ def KERNEL_MODULES() -> tuple:
         decode_attention,
         delta_attention,
         delta_encode,
+        kept,
         latent,
         quantize,
         reconstruct,
         sparse_matvec,
     )
 
-    return (adaptive_attention, adaptive_code, append, copy, decode_attention, delta_attention, delta_encode, latent,
-            quantize, reconstruct, sparse_matvec)  # fmt: skip
+    return (adaptive_attention, adaptive_code, append, copy, decode_attention, delta_attention, delta_encode, kept,
+            latent, quantize, reconstruct, sparse_matvec)  # fmt: skip
 
 
 def stream_attention(

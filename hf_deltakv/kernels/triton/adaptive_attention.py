@@ -190,12 +190,12 @@ def _adaptive_split_kernel(
 @triton.jit
 def _adaptive_merge_kernel(
     q_ptr, sk_ptr, sv_ptr, tail_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
-    out_ptr,
+    out_ptr, stats_ptr,
     kv_heads, n_splits, sinks, coded, tail_tokens, scale,
     sqb, sqh, sqg, skb, skh, skt, svb, svh, svt, stb, sth, stt, sxb, sxt, scb, sch, swb, swh, smb, smt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
-    STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr,
+    STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr, STATS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b, h = bh // kv_heads, bh % kv_heads
@@ -259,6 +259,9 @@ def _adaptive_merge_kernel(
         m_i = m_new
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # OnlineSoftmax.result: nothing seen gives zeros
     tl.store(out_ptr + (bh * GROUP + g[:, None]) * D + e[None, :], out, mask=(g < GROUP)[:, None])
+    if STATS:  # the softmax's final max and sum (`layout.Observation`)
+        tl.store(stats_ptr + bh * G_PAD + g, m_i)
+        tl.store(stats_ptr + (tl.num_programs(0) + bh) * G_PAD + g, l_i)
 
 
 def supports(keys: AdaptiveStream, values: PlainStream, mask: torch.Tensor | None) -> bool:
@@ -357,10 +360,12 @@ def merge_splits(
     g_pad: int,
     tail: Tail | None = None,
     dot: bool = False,
+    stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`_adaptive_merge_kernel`: the splits' statistics `partials` (`o [rows, splits, g_pad, dim]` in channel order,
     values rotated by `rotation`; `m`, `l [rows, splits, g_pad]`), the raw `tail` if any and the sinks merged into the
-    normalised fp32 output `[batch, kv_heads, group, dim]`."""
+    normalised fp32 output `[batch, kv_heads, group, dim]`; with `stats` (fp32 `[2, rows, g_pad]`), the softmax's
+    final max and sum written there too."""
     batch, kv_heads, group, dim = query.shape
     o, m, l_sum = partials
     mask_rows = mask if mask is not None else query
@@ -379,13 +384,13 @@ def merge_splits(
     out = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device=query.device)
     _adaptive_merge_kernel[(batch * kv_heads,)](
         query, sink_keys, sink_values, tokens, positions, freqs, v_codes, v_scales, v_mins, mask_rows,
-        o, m, l_sum, out,
+        o, m, l_sum, out, stats if stats is not None else out,
         kv_heads, o.shape[1], sink_keys.shape[2], coded, tokens.shape[2], float(scale),
         *query.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3], *tokens.stride()[:3],
         positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1), v_scales.stride(0),
         v_scales.stride(1), *mask_strides,
         GROUP=group, G_PAD=g_pad, D=dim, GS=gs, T=tile, V_BLOCK=v_block, V_BITS=v_bits, V_ASYM=v_asym, ROPE=rope,
         MASK=mask is not None, STAGES=log2_of(rotation), ROT_SCALE=rotation_scale(rotation) if rotation else 1.0,
-        DOT=dot, TAIL=tokens.shape[2] > 0, num_warps=4 if dim < 256 else 8,
+        DOT=dot, TAIL=tokens.shape[2] > 0, STATS=stats is not None, num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out

@@ -155,12 +155,13 @@ def combine_splits(o: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor):
 @triton.jit
 def _plain_split_kernel(
     q_ptr, kc_ptr, ks_ptr, km_ptr, kt_ptr, vc_ptr, vs_ptr, vm_ptr, pos_ptr, freq_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
-    kv_heads, length, coded, sinks, tokens_per_split, scale,
+    idx_ptr, sc_ptr,
+    kv_heads, length, coded, sinks, tokens_per_split, scale, first,
     sqb, sqh, sqg, skb, skh, skt, skd, ssb, ssh, sst, ssd, stb, sth, stt, svb, svh, svt, swb, swh, swt, sxb, sxt,
-    smb, smt,
+    smb, smt, sib, sih,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, K_KIND: tl.constexpr,
     K_BS: tl.constexpr, K_CHANNEL: tl.constexpr, V_KIND: tl.constexpr, V_BS: tl.constexpr, K_STAGES: tl.constexpr,
-    K_SCALE: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
+    K_SCALE: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr, INDEXED: tl.constexpr, SCORES: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -177,13 +178,18 @@ def _plain_split_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
-    start = split * tokens_per_split
+    start = first + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, length)
     for t0 in range(start, end, T):
         tok = t0 + tl.arange(0, T)
         valid = tok < end
+        if INDEXED:  # slots of kept tokens (`KeptStream`): a token's mask column is its position; -1: evicted
+            column = tl.load(idx_ptr + b * sib + h * sih + tok, mask=valid, other=-1)
+            valid = valid & (column >= 0)
+        else:
+            column = sinks + tok
         if MASK:
-            valid = valid & (tl.load(mask_ptr + b * smb + (sinks + tok) * smt, mask=valid, other=0) != 0)
+            valid = valid & (tl.load(mask_ptr + b * smb + column * smt, mask=valid, other=0) != 0)
         if K_CHANNEL:  # KIVI-style: per-channel blocks of K_BS tokens (a tile lies in one group), then the fp16 tail
             k = load_channel_rows(k_codes, k_scales, k_mins, kt_ptr + b * stb + h * sth, tok, valid, coded, skt, skd,
                                   sst, ssd, stt, D, K_BS, K_KIND)  # fmt: skip
@@ -198,6 +204,9 @@ def _plain_split_kernel(
             k = tl.reshape(tl.permute(tl.join(lo * cos - hi * sin, hi * cos + lo * sin), (0, 2, 1)), (T, D))
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, T]
         scores = tl.where(valid[None, :], scores, float("-inf"))
+        if SCORES:  # each query head's scores, for what SnapKV observes (`Observation`)
+            at = sc_ptr + (bh * G_PAD + g[:, None]) * length + tok[None, :]
+            tl.store(at, scores, mask=(tok < end)[None, :])
         v = load_rows(v_codes, v_scales, v_mins, tok, valid, svt, swt, D, V_BS, V_KIND)
         m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
     store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD, D)
@@ -308,12 +317,13 @@ def plain_attention(
     mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
     _plain_split_kernel[(batch * kv_heads, splits)](
         query, k_codes, k_scales, k_mins, k_tail, v_codes, v_scales, v_mins, positions, freqs, mask_rows, o, m, l_sum,
-        kv_heads, n_tokens, coded, sink_keys.shape[2], per_split, float(scale),
+        query, query,
+        kv_heads, n_tokens, coded, sink_keys.shape[2], per_split, float(scale), 0,
         *query.stride()[:3], *k_strides, *s_strides, *k_tail.stride()[:3], *v_codes.stride()[:3],
-        *v_scales.stride()[:3], positions.stride(0), positions.stride(-1), *mask_strides,
+        *v_scales.stride()[:3], positions.stride(0), positions.stride(-1), *mask_strides, 0, 0,
         GROUP=group, G_PAD=g_pad, D=dim, T=tile, K_KIND=k_kind, K_BS=k_block, K_CHANNEL=channel,
         V_KIND=int(v.fmt.kind), V_BS=v.fmt.block_size, K_STAGES=log2_of(keys.rotation),
         K_SCALE=rotation_scale(keys.rotation) if keys.rotation else 1.0, ROPE=rope is not None,
-        MASK=mask is not None, num_warps=4 if dim < 128 else 8,
+        MASK=mask is not None, INDEXED=False, SCORES=False, num_warps=4 if dim < 128 else 8,
     )  # fmt: skip
     return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, g_pad)
