@@ -8,9 +8,10 @@ the dispatch the model uses (`kernels.stream_attention`): the default `DeltaKVCa
 per-channel keys coded before RoPE, RoPE re-applied in the kernel, rotated q4_0 values with searched scales, 4 raw
 sinks: `triton/adaptive_attention.py`), q4_0 keys and values (QuantizedKVCache), and the token-delta layout of
 `DeltaKVCache(keys="token")`. With `--e2e`, end-to-end decode tokens/s of random-weight models of both shapes (no
-hub), DynamicCache against DeltaKVCache: the history is filled by each layer's `update` with random keys and values
-(decoding's cost depends on the history's size, not its content; a real prefill at 128K would take minutes), then
-`--new` greedy steps are timed. Written to benchmarks/results/gpu_decode.json with the device's name.
+hub), DynamicCache against the caches of `--e2e-caches` (ours and the eviction baselines; `residual` on request): the
+history is filled by each layer's `update` with random keys and values (decoding's cost depends on the history's size,
+not its content; a real prefill at 128K would take minutes), then `--new` greedy steps are timed. Written to
+benchmarks/results/gpu_decode.json with the device's name.
 
     python benchmarks/gpu_decode.py --e2e                          # ~5 min on one H200 (untimed so far)
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B   # smoke
@@ -184,13 +185,17 @@ def _case(q, k, v, scale, args, layout: str) -> dict:
     return {"fused": fused, "error": error, "bytes": read}
 
 
+E2E_CACHES = "dynamic,delta,delta-no-model,q4_0,q8_0,kivi-pre-rope,streaming-llm,snapkv"
+
+
 @torch.no_grad()
 def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
     """Decode tokens/s of a random-weight Llama of `shape` (bf16) whose every layer's history holds `context`
-    random tokens: DynamicCache against DeltaKVCache(kf=32, model=model)."""
+    random tokens, for each cache of `--e2e-caches` (registry names; `residual` with a compressor of the shape's
+    size, identity weights, 4 bits a latent group: its cost is its shape's, not its weights')."""
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-    from hf_deltakv import DeltaKVCache
+    from hf_deltakv.registry import build_cache
 
     cfg = SHAPES[shape]
     config = LlamaConfig(vocab_size=32000, hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
@@ -201,8 +206,13 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     speeds = {}
-    for name in ("dynamic", "delta"):
-        cache = DynamicCache(config=config) if name == "dynamic" else DeltaKVCache(kf=32, model=model)
+    for name in args.e2e_caches.split(","):
+        if name == "dynamic":
+            cache = DynamicCache(config=config)
+        elif name == "residual":
+            cache = _residual_cache(model, cfg)
+        else:
+            cache = build_cache(name, model)
         g = torch.Generator(device=args.device).manual_seed(0)
         positions = torch.arange(context, device=args.device)[None]
         for layer in range(cfg["layers"]):  # the history, a layer at a time (its cost is its size)
@@ -210,8 +220,11 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
             keys = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
             values = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
             cache.update(keys, values, layer, position_ids=positions)
-            if hasattr(cache.layers[layer], "reconstruct"):
-                cache.layers[layer].key_codec.flush()  # (a prefill's attention would have coded the groups)
+            stored = cache.layers[layer]
+            if hasattr(stored, "key_codec"):
+                stored.key_codec.flush()  # (a prefill's attention would have coded the groups)
+            if hasattr(stored, "read_done"):
+                stored.read_done()  # (what a prefill's attention leaves: eviction, a sliding window)
         token = torch.tensor([[11]], device=args.device)
         model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
         _sync(args.device)
@@ -224,8 +237,22 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     del model
-    return {"shape": shape, "context": context, **{f"{n}_tokens_per_s": v for n, v in speeds.items()},
-            "speedup": speeds["delta"] / speeds["dynamic"]}  # fmt: skip
+    base = speeds.get("dynamic")
+    return {"shape": shape, "context": context, "tokens_per_s": speeds,
+            "vs_dynamic": {n: v / base for n, v in speeds.items()} if base else None}  # fmt: skip
+
+
+def _residual_cache(model, cfg: dict):
+    """ResidualKVCache with a compressor of the model's shape: identity encoder and decoder, every latent group at
+    4 bits (the built-in compressor's layout: no references, 8 sinks, a window of 16)."""
+    from hf_deltakv import ResidualKVCache
+    from hf_deltakv.residual import ResidualCompressor, ResidualConfig
+
+    stream = cfg["kv_heads"] * cfg["head_dim"]
+    config = ResidualConfig(num_layers=cfg["layers"], kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                            latent_dim=stream, bits=[[4] * (2 * stream // 32)] * cfg["layers"])  # fmt: skip
+    compressor = ResidualCompressor(config).to(next(model.parameters()).device)
+    return ResidualKVCache(model=model, compressor=compressor)
 
 
 def _sync(device: str) -> None:
@@ -244,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e", action="store_true", help="also end-to-end decode tokens/s of both shapes")
     parser.add_argument("--e2e-contexts", default="8192,131072")
     parser.add_argument("--new", type=int, default=16, help="decoded tokens timed end to end")
+    parser.add_argument("--e2e-caches", default=E2E_CACHES, help="registry names timed end to end (and 'residual')")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     predicted = predicted_rows()
@@ -276,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
             for c in args.e2e_contexts.split(","):
                 e2e.append(end_to_end(shape, int(c), args))
                 r = e2e[-1]
-                print(f"end to end, {shape} @ {c}: DynamicCache {r['dynamic_tokens_per_s']:.1f} tok/s, DeltaKVCache "
-                      f"{r['delta_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+                ratio = r["vs_dynamic"] or {}
+                cells = [f"{n} {v:.1f} tok/s ({ratio.get(n, float('nan')):.2f}x)" for n, v in r["tokens_per_s"].items()]
+                print(f"end to end, {shape} @ {c}: " + ", ".join(cells), flush=True)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"config": {**vars(args), "device_name": device_name, "seconds": round(time.perf_counter() - started)},
               "rows": rows, "end_to_end": e2e, "predicted": predicted}  # fmt: skip

@@ -75,10 +75,34 @@ def tiny_llama(max_positions: int = 8192):
     return model
 
 
+_COMPRESSORS: dict = {}
+
+
+def build(spec: str, model):
+    """The registry's cache `spec` for `model`; `residual`: with a compressor fitted (not trained) for this model,
+    in the built-in compressor's layout (no references, 8 sinks, a window of 16; the registry's is SmolLM2's)."""
+    from hf_deltakv import ResidualKVCache
+    from hf_deltakv.registry import build_cache
+
+    if spec != "residual":
+        return build_cache(spec, model)
+    from hf_deltakv.residual import ResidualLayout
+    from hf_deltakv.residual.fit import fit_compressor
+
+    key = id(model)
+    if key not in _COMPRESSORS:
+        windows = [torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+        with torch.no_grad():
+            _COMPRESSORS[key] = (model, fit_compressor(model, windows, 4.0, ResidualLayout(), sensitivity_windows=0))
+    return ResidualKVCache(model=model, compressor=_COMPRESSORS[key][1])
+
+
 def coded_groups(cache) -> int:
-    """Groups of keys coded so far over the cache's layers (adaptive and KIVI-style keys; 0 for other caches)."""
+    """Groups of keys coded so far over the cache's layers (adaptive and KIVI-style keys, the residual cache's
+    tokens; 0 for other caches)."""
     total = 0
     for layer in getattr(cache, "layers", []):
+        total += getattr(layer, "compressed", 0)
         codec = getattr(layer, "key_codec", None)
         codec = getattr(codec, "inner", codec)
         coded = getattr(codec, "coded", None)
@@ -96,10 +120,9 @@ def count(spec: str, length: int, steps: int, model=None, prompt_path: str = "tr
     depends on what a kernel computes, so the counts are the same (tested at 200 tokens), in seconds instead of the
     interpreter's minutes per step at 4K."""
     from hf_deltakv.eval.gpu_path import LaunchCounter, per_layer
-    from hf_deltakv.registry import build_cache
 
     model = model if model is not None else tiny_llama()
-    cache = build_cache(spec, model)
+    cache = build(spec, model)
     ids = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(length))
     start = time.perf_counter()
     with kernels_path(prompt_path):
@@ -254,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_deltakv.registry import CACHES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default = ",".join(n for n, e in CACHES.items() if e.available() and not n.startswith("hf-") and n != "residual")
+    default = ",".join(n for n, e in CACHES.items() if e.available() and not n.startswith("hf-"))
     parser.add_argument("--caches", default=default)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--steps", type=int, default=34, help="decoding steps (34: a coding step at any length)")

@@ -86,7 +86,7 @@ def launches(quick: bool = False) -> list[Launch]:
     """Every configuration the dispatch sends to a Triton kernel (`quick`: each format, head dim and option once,
     the others varied alongside), recorded from the launchers on CPU tensors."""
     from hf_deltakv.codecs import ChannelGroupCodec, DeltaCodec, PlainCodec, RotatedCodec
-    from hf_deltakv.kernels.layout import RopeAngles
+    from hf_deltakv.kernels.layout import KeptStream, LatentCoder, LatentStream, RopeAngles
     from hf_deltakv.kernels.triton import (
         adaptive_attention,
         adaptive_code,
@@ -95,9 +95,11 @@ def launches(quick: bool = False) -> list[Launch]:
         decode_attention,
         delta_attention,
         delta_encode,
+        kept,
         latent,
         quantize,
         reconstruct,
+        residual,
         sparse_matvec,
     )
     from hf_deltakv.quant import QuantizedTensor, get_format
@@ -222,6 +224,45 @@ def launches(quick: bool = False) -> list[Launch]:
         bits = [8, 6, 5, 4, 3, 2, 0]
         packed = torch.zeros(5, sum(32 * b // 8 for b in bits), dtype=torch.uint8)
         latent.dequantize_latent(packed, torch.ones(5, 6, dtype=torch.float16), bits)
+        evicting = (HEAD_DIMS, GROUPS, INPUT_DTYPES, (False, True), (True, False))
+        for dim, group, dtype, masked, observe in product(*evicting):
+            label[0] = (f"kept tokens, head_dim {dim}, {group} queries per kv head, {str(dtype).removeprefix('torch.')}"
+                        f" queries, mask {masked}, SnapKV {observe}")  # fmt: skip
+            slots = torch.zeros(1, 2, 50, dim, dtype=torch.float16)
+            stream = KeptStream(slots, slots, torch.arange(50, dtype=torch.int32).expand(1, 2, 50), 3, 40)
+            query = torch.randn(1, 2, group, dim, generator=g).to(dtype)
+            mask = torch.ones(1, 1, 60, dtype=torch.bool) if masked else None
+            sinks = torch.zeros(1, 2, 4, dim, dtype=dtype)
+            out, observed = kept.kept_attention(query, sinks, sinks, stream, mask, 0.1, observe)
+            pending = torch.zeros(1, 2, 1, dtype=torch.int64)
+            kept.keep_rows(torch.randn(1, 2, 1, dim, generator=g).to(dtype), sinks[:, :, :1], stream, 49, 70, pending)
+            kept.compact_kept(stream, pending, stream)
+            if observe:  # (the observation's buffers were allocated by the recorded launch: contents irrelevant)
+                kept.snapkv_evicted(stream, observed, 1, 8, 7)
+        bits = (6, 0, 5, 4, 3, 0, 6, 5, 4, 4, 3, 2)  # a layer like the built-in compressor's: 2-6 bits, groups dropped
+        for dim, group, dtype, rope, masked in product(HEAD_DIMS, GROUPS, INPUT_DTYPES, (True, False), (False, True)):
+            label[0] = (f"residual, head_dim {dim}, {group} queries per kv head, {str(dtype).removeprefix('torch.')}"
+                        f" tokens, RoPE {rope}, mask {masked}")  # fmt: skip
+            heads, width = 2, 2 * dim
+            latent_dims = (4 * 32, 5 * 32)  # the stored key and value components of `bits`
+            coder = LatentCoder(torch.zeros(width), torch.zeros(width), torch.zeros(width, latent_dims[0]),
+                                torch.zeros(width, latent_dims[1]), torch.zeros(latent_dims[0], width),
+                                torch.zeros(latent_dims[1], width))  # fmt: skip
+            codes = LatentStream(torch.zeros(1, 40, sum(4 * b for b in bits), dtype=torch.uint8),
+                                 torch.zeros(1, 40, 9, dtype=torch.float16), bits)  # fmt: skip
+            freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+            positions = torch.arange(8, 48, dtype=torch.int32)[None]
+            order = torch.arange(dim) if masked else None
+            window = torch.zeros(1, heads, 32, dim, dtype=torch.float16 if dtype == torch.float32 else dtype)
+            raw = torch.randn(1, heads, 16, dim, generator=g).to(dtype)
+            residual.write_raw(raw[:, :, :1], raw[:, :, :1], window, window, 20)
+            residual.encode_latent_into(raw, raw, positions[:, :16] if rope else None, freqs if rope else None, order,
+                                        coder, bits, codes, 24)  # fmt: skip
+            angles = RopeAngles(positions, freqs) if rope else None
+            query = torch.randn(1, heads, group, dim, generator=g).to(dtype)
+            mask = torch.ones(1, 1, 64, dtype=torch.bool) if masked else None
+            parts = [(window[:, :, :8], window[:, :, :8], 0), (window[:, :, :16], window[:, :, :16], 48)]
+            residual.latent_stream_attention(query, parts, codes, coder, angles, order, 8, mask, 0.1)
         for dtype, bias in product(INPUT_DTYPES, (False, True)):
             label[0] = f"{str(dtype).removeprefix('torch.')} weights, bias {bias}"
             wt = torch.randn(64, 96, generator=g).to(dtype)

@@ -37,8 +37,8 @@ LOGIT_ATOL = 5e-3
 
 
 def _cache(name: str, model):
-    if name == "residual":
-        return ResidualKVCache(model=model, compressor=tiny_compressor(model))
+    if name == "residual":  # the built-in compressor's layout (no references: the GPU kernels' case)
+        return ResidualKVCache(model=model, compressor=tiny_compressor(model), stride=0, sink_tokens=8, window=16)
     return build_cache(name, model)
 
 
@@ -75,6 +75,25 @@ def test_generate_on_the_gpu_path_equals_the_reference_path(name, monkeypatch):
     got_tokens, got = _run(model, name, ids, 6, "triton", monkeypatch)
     assert torch.equal(got_tokens, tokens), name
     torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_the_residual_cache_codes_while_decoding_on_the_gpu_path(monkeypatch):
+    """Left-padded rows, 18 decoded tokens: the window's tokens are coded on the way (`CODE_BATCH` at a time, by the
+    coding kernel) and read back by the attention kernels."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    out = {}
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
+        cache = _cache("residual", model)
+        out[path] = model.generate(ids, attention_mask=mask, max_new_tokens=18, do_sample=False, cache=cache,
+                                   output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        assert cache.layers[0].compressed == 40 + 17 - 8 - 16 - 1  # (coded at the 17th step: 16 leave the window)
+    assert torch.equal(out["triton"].sequences, out["reference"].sequences)
+    torch.testing.assert_close(torch.stack(out["triton"].logits), torch.stack(out["reference"].logits),
+                               atol=LOGIT_ATOL, rtol=0)  # fmt: skip
 
 
 def test_left_padded_batches_on_the_gpu_path(monkeypatch):
@@ -138,7 +157,7 @@ def test_the_default_cache_decodes_within_its_launch_and_sync_budget():
 # Registry caches whose decoding step still runs PyTorch over the whole history on the GPU path (issue 42): eviction
 # gathers and concatenates its fp16 history at every step. Strict: the test fails once they hold the budget.
 NOT_YET: set[str] = set()
-COUNTED = [n for n, e in CACHES.items() if e.available() and not n.startswith("hf-") and n != "residual"]
+COUNTED = [n for n, e in CACHES.items() if e.available() and not n.startswith("hf-")]
 
 
 def _mark(name: str):
@@ -193,7 +212,8 @@ def test_the_residual_cache_decodes_on_the_reference_path(monkeypatch):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
-    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=_cache("residual", model))
+    cache = ResidualKVCache(model=model, compressor=tiny_compressor(model))  # (with references)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
     assert out.shape == (1, 16)
 
 

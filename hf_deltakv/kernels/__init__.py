@@ -31,6 +31,9 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     kept_attention     -                           | triton/kept.py (one query per head: split over the slots, merge)
     snapkv_evicted     -                           | triton/kept.py (from the attention kernel's observation)
     latent ops         cpu/latent.cpp              | triton/latent.py (dequantize only)
+    write_raw          -                           | triton/residual.py (the residual cache's raw window, one launch)
+    encode_latent_into cpu undo_rope + quantize_latent | triton/residual.py (RoPE undone, encoded, quantized, packed)
+    latent_stream_attention -                      | triton/residual.py (one query per head: split, merge)
     sparse_matvec      cpu/sparse_matvec.cpp       | triton/sparse_matvec.py
 """
 
@@ -52,6 +55,8 @@ from .layout import (
     ChannelStream,
     DeltaStream,
     KeptStream,
+    LatentCoder,
+    LatentStream,
     Observation,
     PlainStream,
     RopeAngles,
@@ -65,6 +70,8 @@ __all__ = [
     "ChannelStream",
     "DeltaStream",
     "KeptStream",
+    "LatentCoder",
+    "LatentStream",
     "Observation",
     "PlainStream",
     "RopeAngles",
@@ -80,9 +87,11 @@ __all__ = [
     "decode_stream",
     "delta_encode_groups",
     "dequantize_latent",
+    "encode_latent_into",
     "keep_rows",
     "kept_attention",
     "latent_attention",
+    "latent_stream_attention",
     "pack_planes",
     "quantize",
     "quantize_at",
@@ -97,6 +106,7 @@ __all__ = [
     "undo_rope",
     "undo_rope_into",
     "use_triton",
+    "write_raw",
 ]
 
 
@@ -478,11 +488,13 @@ def snapkv_evicted(
     kept: KeptStream, observed: torch.Tensor | Observation, drop: int, recent: int, kernel: int
 ) -> torch.Tensor:
     """`reference.snapkv_evicted` (the slots SnapKV evicts), dispatched: the Triton kernel (one launch) from the
-    attention kernel's `Observation`, the reference otherwise. The same slots (tested)."""
-    if isinstance(observed, Observation) and use_triton(observed.scores.device) and kept.index.stride(-1) == 1:
+    attention kernel's `Observation` for a decoding step's few slots, the reference otherwise. The same slots
+    (tested)."""
+    if isinstance(observed, Observation) and drop <= 4 and use_triton(observed.scores.device):
         from .triton.kept import snapkv_evicted as evicted
 
-        return evicted(kept, observed, drop, recent, kernel)
+        if kept.index.stride(-1) == 1:
+            return evicted(kept, observed, drop, recent, kernel)
     return reference.snapkv_evicted(kept, observed, drop, recent, kernel)
 
 
@@ -551,6 +563,70 @@ def latent_attention(
         scale,
     )
     return maximum, weight, acc
+
+
+def write_raw(
+    keys: torch.Tensor, values: torch.Tensor, key_target: torch.Tensor, value_target: torch.Tensor, at: int
+) -> None:
+    """`reference.write_raw` (raw tokens into storage with room, in its dtype), dispatched: one Triton launch for keys
+    and values on GPUs, the reference otherwise. The same bytes (tested)."""
+    if use_triton(keys.device):
+        from .triton.residual import serves_raw
+        from .triton.residual import write_raw as kernel
+
+        if serves_raw(keys, values, key_target) and key_target.dtype == value_target.dtype:
+            return kernel(keys, values, key_target, value_target, at)
+    reference.write_raw(keys, values, key_target, value_target, at)
+
+
+def encode_latent_into(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    coder: LatentCoder,
+    bits: tuple[int, ...],
+    target: LatentStream,
+    at: int,
+) -> None:
+    """`reference.encode_latent_into` (the residual cache's coding of tokens into storage with room), dispatched: one
+    Triton launch on GPUs; elsewhere the reference through the dispatched `undo_rope` and `quantize_latent` (C++ on the
+    CPU)."""
+    if use_triton(keys.device):
+        from .triton.residual import encode_latent_into as kernel
+        from .triton.residual import serves_encode
+
+        if serves_encode(keys, target):
+            return kernel(keys, values, positions, freqs, order, coder, bits, target, at)
+    reference.encode_latent_into(keys, values, positions, freqs, order, coder, bits, target, at, undo_rope,
+                                 quantize_latent)  # fmt: skip
+
+
+def latent_stream_attention(
+    query: torch.Tensor,
+    raw: list[tuple[torch.Tensor, torch.Tensor, int]],
+    stream: LatentStream,
+    coder: LatentCoder,
+    rope: RopeAngles | None,
+    order: torch.Tensor | None,
+    coded_column: int,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """`reference.latent_stream_attention` (attention over a residual layer's raw and coded tokens), for one query per
+    head on GPUs: two Triton launches (`raw`: the sinks, then the window); None elsewhere (the layer's own chunked
+    path runs)."""
+    if not use_triton(query.device) or n_queries != 1 or len(raw) != 2:
+        return None
+    from .triton.residual import latent_stream_attention as kernel
+    from .triton.residual import supports
+
+    if not supports(query, stream, raw, mask):
+        return None
+    return kernel(query, raw, stream, coder, rope, order, coded_column, mask, scale)
 
 
 def _rope_arguments(rope: RopeAngles | None, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ dot products nor, once undone, the decoded values beyond quantization error.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from functools import lru_cache
@@ -43,9 +44,10 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+@functools.cache
 def rotation_matrix(dim: int, block: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The `dim × dim` block-diagonal matrix `H` with `rotate(x) == x @ H` up to rounding (identity when `block` is
-    0)."""
+    0): made once per device and kept (a kernel asks at every call; not to be written into)."""
     if not block:
         return torch.eye(dim, device=device)
     return torch.block_diag(*[hadamard(block)] * (dim // block)).to(device)

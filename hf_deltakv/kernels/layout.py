@@ -175,6 +175,37 @@ class Observation:
     group: int
 
 
+@dataclass(frozen=True)
+class LatentStream:
+    """The residual cache's coded tokens (`residual.layer`, no references): `codes` uint8 `[batch, tokens, bytes]`
+    (each latent group of `quant.bitpack.GROUP` components packed at its depth, group after group) and `scales` fp16
+    `[batch, tokens, kept groups]`; `bits`: every latent group's depth, the keys' groups then the values' (0: not
+    stored, decoded as zeros)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        return self.codes.shape[1]
+
+
+@dataclass(frozen=True)
+class LatentCoder:
+    """A residual layer's linear coder as the kernels read it, made once per device (`residual.attention`): the
+    stored latent components only, fp32. `key_encoder` `[stream, kept key components]` and `value_encoder` map a
+    token's residual less its mean (heads concatenated; keys before RoPE in the canonical channel order) to them;
+    `key_decoder` `[kept key components, stream]` and `value_decoder` map them back, before the means are added."""
+
+    key_mean: torch.Tensor
+    value_mean: torch.Tensor
+    key_encoder: torch.Tensor
+    value_encoder: torch.Tensor
+    key_decoder: torch.Tensor
+    value_decoder: torch.Tensor
+
+
 StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream
 
 

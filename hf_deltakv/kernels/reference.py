@@ -18,6 +18,8 @@ from .layout import (
     ChannelStream,
     DeltaStream,
     KeptStream,
+    LatentCoder,
+    LatentStream,
     Observation,
     PlainStream,
     RopeAngles,
@@ -32,10 +34,12 @@ __all__ = [
     "delta_encode_groups",
     "dequantize",
     "dequantize_latent",
+    "encode_latent_into",
     "keep_rows",
     "kept_attention",
     "kept_channels",
     "latent_attention",
+    "latent_stream_attention",
     "long_term_reference",
     "quantize",
     "quantize_latent",
@@ -43,6 +47,7 @@ __all__ = [
     "snapkv_evicted",
     "sparse_matvec",
     "stream_attention",
+    "write_raw",
 ]
 
 
@@ -830,6 +835,101 @@ def latent_attention(
     latent = dequantize_latent(codes, scales, bits)  # [batch, tokens, latent]
     acc = (p.flatten(1, 2) @ latent).view(batch, heads, n_rows, -1)
     return maximum, p.sum(-1), acc
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """`[batch, heads, n, dim]` -> `[batch, n, heads * dim]` (a token's heads together, as the residual coder takes
+    them)."""
+    return x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+
+
+def write_raw(
+    keys: torch.Tensor, values: torch.Tensor, key_target: torch.Tensor, value_target: torch.Tensor, at: int
+) -> None:
+    """Raw tokens `[batch, heads, n, dim]` into rows `at...` of the targets, in their dtype (fp16: saturating,
+    `quant.saturate_fp16`)."""
+    for x, target in ((keys, key_target), (values, value_target)):
+        target[:, :, at : at + x.shape[2]] = saturate_fp16(x) if target.dtype == torch.float16 else x.to(target.dtype)
+
+
+def encode_latent_into(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    coder: LatentCoder,
+    bits: tuple[int, ...],
+    target: LatentStream,
+    at: int,
+    undo=undo_rope,
+    quantize=quantize_latent,
+) -> None:
+    """The residual cache's coding of raw tokens (no references): keys `[batch, heads, n, dim]` as the model gives
+    them (after RoPE, at `positions` `[batch, n]`; turned back first when `freqs` is given), values alike; each token's
+    latent (`coder`: its residual less the mean, times the encoder) quantized group by group at its depth (`bits`, as
+    `quantize_latent`) into rows `at...` of `target`'s codes and scales (buffers that reach that far). `undo` and
+    `quantize`: the ops used (the dispatched ones on the CPU)."""
+    keys = keys.float() if freqs is None else undo(keys.float(), positions, freqs, order)
+    key_latent = (_tokens(keys) - coder.key_mean) @ coder.key_encoder
+    value_latent = (_tokens(values.float()) - coder.value_mean) @ coder.value_encoder
+    packed, scales = quantize(torch.cat([key_latent, value_latent], dim=-1), [b for b in bits if b])
+    n = packed.shape[1]
+    target.codes[:, at : at + n] = packed
+    target.scales[:, at : at + n] = scales
+
+
+def latent_stream_attention(
+    query: torch.Tensor,
+    raw: list[tuple[torch.Tensor, torch.Tensor, int]],
+    stream: LatentStream,
+    coder: LatentCoder,
+    rope: RopeAngles | None,
+    order: torch.Tensor | None,
+    coded_column: int,
+    mask: torch.Tensor | None,
+    n_queries: int,
+    causal_offset: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention over a residual layer's raw tokens and its coded ones (decoded: keys `latent @ key_decoder + mean`,
+    canonical and before RoPE, turned forward by `rope` and back to the model's channel order; values alike, without
+    RoPE), in fp32.
+
+    Args:
+        query: `[batch, kv_heads, group * n_queries, dim]` (model order; row `g * n_queries + i` is query `i`).
+        raw: (keys, values, first mask column) of each raw part (`[batch, kv_heads, t, dim]`, keys after RoPE).
+        stream, coder: the coded tokens and the layer's coder; their mask columns start at `coded_column`.
+        rope: the coded tokens' RoPE (positions `[batch, tokens]`), or None; `order`: the canonical channel order.
+        mask: bool `[batch, n_queries, columns]`, or None: causal, column `u` visible to query `i` when
+            `u <= causal_offset + i`.
+
+    Returns:
+        fp32 `[batch, kv_heads, rows, dim]`; a row that may attend no token gets zeros.
+    """
+    batch, heads, rows, dim = query.shape
+    grouped = query.reshape(batch, heads * (rows // n_queries), n_queries, dim)
+    state = OnlineSoftmax(grouped, scale, mask[:, None] if mask is not None else None, causal_offset + n_queries)
+    for keys, values, column in raw:
+        if keys.shape[2]:
+            state.add(keys, values, start=column)
+    kept = [b for b in stream.bits if b]
+    latent = dequantize_latent(stream.codes, stream.scales, kept)
+    key_latent, value_latent = latent.split([coder.key_decoder.shape[0], coder.value_decoder.shape[0]], dim=-1)
+    keys = _heads(key_latent @ coder.key_decoder + coder.key_mean, heads)
+    values = _heads(value_latent @ coder.value_decoder + coder.value_mean, heads)
+    if rope is not None:
+        cos, sin = rope.cos_sin()
+        keys = rotate_pairs(keys, cos[:, None], sin[:, None])
+    if order is not None:
+        keys = keys[..., order.argsort()]
+    state.add(keys, values, start=coded_column)
+    return state.result().reshape(batch, heads, rows, -1)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[batch, n, heads * dim]` -> `[batch, heads, n, dim]`."""
+    return x.view(x.shape[0], x.shape[1], heads, -1).transpose(1, 2)
 
 
 def kept_channels(x: torch.Tensor, scale: torch.Tensor | None, threshold: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..kernels.layout import RopeAngles
+from ..kernels.layout import LatentCoder, RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
 from ..quant.bitpack import GROUP
 from .compressor import LayerCompressor
@@ -69,6 +69,30 @@ def _kept(bits: tuple[int, ...]) -> tuple[list[int], torch.Tensor, int]:
     asks at every decode step)."""
     rows = [g * GROUP + j for g, b in enumerate(bits) if b for j in range(GROUP)]
     return [b for b in bits if b], torch.tensor(rows, dtype=torch.long), sum(GROUP * b // 8 for b in bits)
+
+
+def latent_coder(compressor: LayerCompressor, bits: tuple[int, ...]) -> LatentCoder:
+    """The layer's coder as the kernels read it (`kernels.LatentCoder`: the stored latent components' columns of the
+    encoders and rows of the decoders, fp32), made once per device and kept on the compressor until a weight
+    changes: a decoding step asks in every layer."""
+    parameters = [getattr(compressor, f"{s}_{p}") for s in ("key", "value") for p in ("mean", "encoder", "decoder")]
+    state = tuple((w._version, w.data_ptr()) for w in parameters)
+    kept = compressor.__dict__.setdefault("_coders", {})
+    key = (bits, parameters[0].device)
+    hit = kept.get(key)
+    if hit is None or hit[0] != state:
+        half = len(bits) // 2
+        rows = [_kept(bits[:half])[1], _kept(bits[half:])[1]]
+        (key_mean, key_encoder, key_decoder), (value_mean, value_encoder, value_decoder) = (
+            [w.detach().float() for w in parameters[i : i + 3]] for i in (0, 3)
+        )
+        columns = [r.to(key_encoder.device) for r in rows]
+        hit = kept[key] = (state, LatentCoder(
+            key_mean.contiguous(), value_mean.contiguous(), key_encoder[:, columns[0]].contiguous(),
+            value_encoder[:, columns[1]].contiguous(), key_decoder[columns[0]].contiguous(),
+            value_decoder[columns[1]].contiguous(),
+        ))  # fmt: skip
+    return hit[1]
 
 
 def attend_coded(

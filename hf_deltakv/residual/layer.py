@@ -9,7 +9,10 @@ Storage, per layer (all counted by `nbytes`):
   `top_k` nearest earlier references (against zero without references), fp16 group scales, and the ids of those
   references (int16).
 Tokens are compressed when they slide out of the window (`CODE_BATCH` at a time while decoding), in order, so their
-references already exist.
+references already exist. The window and the codes live in buffers with room (counted in `nbytes`): a decoding step
+writes its token into the window's room, and a coding step its codes into the codes' room, so that neither copies
+what is stored (without references, on GPUs: one launch each, `kernels.write_raw` and `kernels.encode_latent_into`,
+and attention in two, `kernels.latent_stream_attention`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels
-from ..kernels.layout import RopeAngles
+from ..codecs import base as storage
+from ..codecs.base import ROOM_FRACTION
+from ..kernels.layout import LatentStream, RopeAngles
 from ..kernels.online_softmax import OnlineSoftmax
 from ..layers import PositionLog, StreamLayer
 from ..quant import QuantizedTensor, owned
+from ..quant.bitpack import GROUP
 from ..rope import RopeForm
-from .attention import attend_coded
+from .attention import attend_coded, latent_coder
 from .codec import decode_residuals, encode_residuals
 from .compressor import LayerCompressor, ResidualLayout
 from .references import is_reference, load_references, reference_mean, split_tokens
@@ -60,10 +66,11 @@ class ResidualLayer(StreamLayer):
         super().__init__(layout.sink_tokens, rope, positions, window)
 
     def _clear_stream(self) -> None:
-        self.window_keys = self.window_values = None  # raw, [B, H, <= window, D]
+        self.window_keys = self.window_values = None  # raw, [B, H, <= window, D]: views into a buffer with room
         self.references: QuantizedTensor | None = None  # [B, R, 2 * H * D]
         self.codes = self.scales = self.reference_ids = None  # [B, C, bytes], [B, C, groups], [B, C, top_k]
         self.compressed = 0  # tokens after the sinks that have left the window
+        self._growing_window = self._growing_codes = None  # the buffers behind the views (keys, values / codes, scales)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -77,31 +84,88 @@ class ResidualLayer(StreamLayer):
                 )
 
     def _append_stream(self, keys: torch.Tensor, values: torch.Tensor, begin: int) -> None:
-        keys, values = self._to_sink(keys), self._to_sink(values)  # raw, saturating as sinks do
-        if self.window_keys is None:
-            self.window_keys, self.window_values = keys.clone(), values.clone()
-        else:
-            self.window_keys = torch.cat([self.window_keys, keys], dim=2)
-            self.window_values = torch.cat([self.window_values, values], dim=2)
+        n = keys.shape[2]
+        buffers, at = self._window_room(n)
+        kernels.write_raw(keys, values, *buffers, at)  # raw, saturating as sinks do
+        self.window_keys, self.window_values = (t[:, :, at - self._window_length() : at + n] for t in buffers)
         overflow = self.window_keys.shape[2] - self.layout.window
-        if overflow >= CODE_BATCH or (overflow > 0 and keys.shape[2] > 1):
+        if overflow >= CODE_BATCH or (overflow > 0 and n > 1):
             self._compress(overflow)
+            self._rebuffer_window()
+
+    def _window_length(self) -> int:
+        return 0 if self.window_keys is None else self.window_keys.shape[2]
+
+    def _window_room(self, n: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+        """The window's buffers and the row where `n` new tokens go (after its tokens): the buffers when they have
+        room and the views are still theirs, else new ones with the window's tokens moved over (at least `CODE_BATCH`
+        rows of room: a decoding step's token is written in place)."""
+        held, length = self._growing_window, self._window_length()
+        if held is not None and self.window_keys is not None and _same_storage(self.window_keys, held[0]):
+            end = (self.window_keys.storage_offset() - held[0].storage_offset()) // held[0].stride(2) + length
+            if end + n <= held[0].shape[2]:
+                return held, end
+        if self.window_keys is None and n > 1:  # a prefill's tokens: as many rows (the window keeps its last ones)
+            rows = n
+        else:
+            rows = length + n + max(CODE_BATCH, (length + n) // ROOM_FRACTION)
+        like = (self.batch_size, self.kv_heads, rows)
+        grown = (torch.empty(*like, self.head_dim, dtype=self.sink_dtype, device=self.device),
+                 torch.empty(*like, self.value_dim, dtype=self.sink_dtype, device=self.device))  # fmt: skip
+        if length:
+            storage.move_rows(grown[0][:, :, :length], self.window_keys)  # (grown buffers are counted there)
+            storage.move_rows(grown[1][:, :, :length], self.window_values)
+        self._growing_window = grown
+        return grown, length
+
+    def _rebuffer_window(self) -> None:
+        """After coding: a buffer much larger than a decoding window's (a prefill's) is let go, its last tokens moved
+        into one of that size."""
+        held = self._growing_window
+        if held is not None and held[0].shape[2] > 2 * (self._window_length() + CODE_BATCH):
+            self._growing_window = None
+            buffers, at = self._window_room(0)
+            self.window_keys, self.window_values = (t[:, :, :at] for t in buffers)
+
+    def _codes_room(self, n: int) -> tuple[LatentStream, int]:
+        """The codes' and scales' buffers and the row where `n` more tokens' go (grown when short, with room for
+        `ROOM_FRACTION` of them and at least a coding step's; a prefill's first codes get none)."""
+        held, have = self._growing_codes, 0 if self.codes is None else self.codes.shape[1]
+        if held is not None and have and _same_storage(self.codes, held[0]) and held[0].shape[1] >= have + n:
+            return LatentStream(*held, tuple(self.bits)), have
+        rows = have + n + (max(CODE_BATCH, (have + n) // ROOM_FRACTION) if have else 0)
+        kept = [b for b in self.bits if b]
+        grown = (torch.empty(self.batch_size, rows, sum(GROUP * b // 8 for b in kept), dtype=torch.uint8,
+                             device=self.device),
+                 torch.empty(self.batch_size, rows, len(kept), dtype=torch.float16, device=self.device))  # fmt: skip
+        if have:  # (the copies see them as [B, 1, rows, ...])
+            storage.move_rows(grown[0][:, None, :have], self.codes[:, None])
+            storage.move_rows(grown[1][:, None, :have], self.scales[:, None])
+        self._growing_codes = grown
+        return LatentStream(*grown, tuple(self.bits)), have
 
     def _compress(self, n: int) -> None:
         """Move the oldest `n` window tokens into reference or residual storage."""
+        # Tokens leave the window during an update, before cumulative_length counts the new ones; the sinks are full.
+        begin = self.sink_tokens + self.compressed
+        if self.layout.stride == 0:  # no references: every token coded against zero (split_tokens' answer, cheaper)
+            target, at = self._codes_room(n)
+            turn = (None, None, None)
+            if self.rope is not None:
+                turn = (self.positions.ids[:, begin : begin + n], *self.rope.on(self.device))
+            coder = latent_coder(self.compressor, tuple(self.bits))
+            raw = (self.window_keys[:, :, :n], self.window_values[:, :, :n])
+            kernels.encode_latent_into(*raw, *turn, coder, tuple(self.bits), target, at)
+            self.codes, self.scales = target.codes[:, : at + n], target.scales[:, : at + n]
+            self.window_keys, self.window_values = self.window_keys[:, :, n:], self.window_values[:, :, n:]
+            self.compressed += n
+            return
         keys, values = self.window_keys[:, :, :n].float(), self.window_values[:, :, :n].float()
         self.window_keys = owned(self.window_keys[:, :, n:])
         self.window_values = owned(self.window_values[:, :, n:])
-        # Tokens leave the window during an update, before cumulative_length counts the new ones; the sinks are full.
-        begin = self.sink_tokens + self.compressed
+        self._growing_window = None
         if self.rope is not None:
             keys = kernels.undo_rope(keys, self.positions.ids[:, begin : begin + n], self.rope.freqs, self.rope.order)
-        if self.layout.stride == 0:  # no references: every token coded against zero (split_tokens' answer, cheaper)
-            self._append_codes(
-                *encode_residuals(self.compressor, self.bits, heads_to_tokens(keys), heads_to_tokens(values))
-            )
-            self.compressed += n
-            return
         x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)
         index = torch.arange(self.compressed, self.compressed + n, device=x.device)
         split = split_tokens(x, index, self.layout, self.references)
@@ -120,8 +184,10 @@ class ResidualLayer(StreamLayer):
         self.compressed += n
 
     def _append_codes(self, packed: torch.Tensor, scales: torch.Tensor) -> None:
-        self.codes = packed if self.codes is None else torch.cat([self.codes, packed], dim=1)
-        self.scales = scales if self.scales is None else torch.cat([self.scales, scales], dim=1)
+        target, at = self._codes_room(packed.shape[1])
+        target.codes[:, at : at + packed.shape[1]] = packed
+        target.scales[:, at : at + packed.shape[1]] = scales
+        self.codes, self.scales = target.codes[:, : at + packed.shape[1]], target.scales[:, : at + packed.shape[1]]
 
     def _decode_stream(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         keys_parts, value_parts = [], []
@@ -153,13 +219,17 @@ class ResidualLayer(StreamLayer):
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention read from storage: sinks and window raw, coded tokens through `attend_coded` (values attended
-        in latent space). With references (`stride` > 0) the history is decoded first (`StreamLayer.attend`)."""
+        in latent space), or on GPUs `kernels.latent_stream_attention` (one query per head). With references
+        (`stride` > 0) the history is decoded first (`StreamLayer.attend`)."""
         if self.codes is None or self.references is not None:
             return super().attend(query, mask, scale)
         offset = self._first_stored()
         mask = self._stored_mask(mask, query.shape[2])
-        state = OnlineSoftmax(query, scale, mask, self.cumulative_length - offset)
         first = self.sink_tokens - offset
+        served = self._attend_kernel(query, mask, scale, first)
+        if served is not None:
+            return served
+        state = OnlineSoftmax(query, scale, mask, self.cumulative_length - offset)
         # Raw parts (keys, values, first position): sinks and window. A lone query without a mask sees every key, so
         # a decoding step folds both in one product (each fold is ~10 small ops per layer).
         raw = [(self.sink_keys, self.sink_values, 0)] if self.sink_keys is not None else []
@@ -177,6 +247,29 @@ class ResidualLayer(StreamLayer):
         attend_coded(state, self.compressor, self.bits, self.codes, self.scales, first, self.kv_heads, rope, canonical)
         return state.result()
 
+    def _attend_kernel(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, first: int):
+        """`kernels.latent_stream_attention` over the sinks, the coded tokens (mask columns from `first`) and the
+        window, or None where it does not serve (then the chunked path runs)."""
+        batch, q_heads, n, dim = query.shape
+        if mask is not None and mask.shape[1] != 1:
+            return None
+        empty = query.new_empty(batch, self.kv_heads, 0, dim)
+        raw = [(self.sink_keys if self.sink_keys is not None else empty,
+                self.sink_values if self.sink_values is not None else empty, 0),
+               (self.window_keys if self.window_keys is not None else empty,
+                self.window_values if self.window_values is not None else empty, first + self.compressed)]  # fmt: skip
+        rope, order = None, None
+        if self.rope is not None:
+            rope = self._rope_angles(self.sink_tokens, self.sink_tokens + self.compressed)
+            order = self.rope.on(self.device)[1]
+        coder = latent_coder(self.compressor, tuple(self.bits))
+        stream = LatentStream(self.codes, self.scales, tuple(self.bits))
+        grouped = query.reshape(batch, self.kv_heads, q_heads // self.kv_heads * n, dim)
+        out = kernels.latent_stream_attention(grouped, raw, stream, coder, rope, order, first,
+                                              None if mask is None else mask[:, 0], n,
+                                              self.cumulative_length - self._first_stored() - n, scale)  # fmt: skip
+        return None if out is None else out.reshape(batch, q_heads, n, -1)
+
     def _truncate_stream(self, tokens: int) -> None:
         """A crop within the raw window drops raw tokens; coded tokens are not decoded back, so deeper is refused."""
         if tokens < self.compressed:
@@ -188,6 +281,7 @@ class ResidualLayer(StreamLayer):
         if self.window_keys is not None:
             self.window_keys = owned(self.window_keys[:, :, :keep])
             self.window_values = owned(self.window_values[:, :, :keep])
+            self._growing_window = None
 
     def _stored(self) -> list:
         return [self.window_keys, self.window_values, self.references, self.codes, self.scales, self.reference_ids]
@@ -196,6 +290,7 @@ class ResidualLayer(StreamLayer):
         return self._stored()
 
     def _map_stream(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._growing_window = self._growing_codes = None
         if self.window_keys is not None:
             self.window_keys, self.window_values = fn(self.window_keys), fn(self.window_values)
         if self.references is not None:
@@ -204,3 +299,8 @@ class ResidualLayer(StreamLayer):
             self.codes, self.scales = fn(self.codes), fn(self.scales)
         if self.reference_ids is not None:
             self.reference_ids = fn(self.reference_ids)
+
+
+def _same_storage(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `view` lies in `buffer`'s storage (a state not replaced since the buffer was made)."""
+    return view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

@@ -23,11 +23,12 @@ def KERNEL_MODULES() -> tuple:
         latent,
         quantize,
         reconstruct,
+        residual,
         sparse_matvec,
     )
 
     return (adaptive_attention, adaptive_code, append, copy, decode_attention, delta_attention, delta_encode, kept,
-            latent, quantize, reconstruct, sparse_matvec)  # fmt: skip
+            latent, quantize, reconstruct, residual, sparse_matvec)  # fmt: skip
 
 
 def stream_attention(

@@ -12,6 +12,8 @@ written back at full precision. Plain `tl` operations only (NVIDIA and AMD).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -150,14 +152,17 @@ def _delta_attention_kernel(
     store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD, D)
 
 
-def _rotate_half_matrix(dim: int, device: torch.device) -> torch.Tensor:
-    """P with `x @ P == rotate_half(x)` (`cat(-x[half:], x[:half])`)."""
+@functools.cache
+def _matrices(dim: int, rotation: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys' rotation H and `H @ P`, P with `x @ P == rotate_half(x)` (`cat(-x[half:], x[:half])`), contiguous
+    fp32 on the device: made once per shape and device (not at every call)."""
     half = dim // 2
-    p = torch.zeros(dim, dim, device=device)
-    idx = torch.arange(half, device=device)
+    p = torch.zeros(dim, dim)
+    idx = torch.arange(half)
     p[idx + half, idx] = -1.0
     p[idx, idx + half] = 1.0
-    return p
+    h = rotation_matrix(dim, rotation)
+    return h.contiguous().to(device), (h @ p).contiguous().to(device)
 
 
 # The kernel holds the head's rotation and rotate-half matrices (dim x dim, fp32) in shared memory: at head_dim 256 that
@@ -200,7 +205,7 @@ def delta_attention(
     keyframes, deltas = keys.keyframes, keys.deltas
     n_groups = keyframes.scales.shape[2]
     device = query.device
-    h = rotation_matrix(dim, keys.rotation, device)
+    h, h_half = _matrices(dim, keys.rotation, device)
     means = keys.means if keys.intra else None
     schedule = keys.snapshots
     if len(schedule.points) != 3:
@@ -222,8 +227,8 @@ def delta_attention(
         d_codes,
         d_scales,
         means.contiguous() if means is not None else dummy,
-        h.contiguous(),
-        (h @ _rotate_half_matrix(dim, device)).contiguous(),
+        h,
+        h_half,
         cos.contiguous() if cos is not None else dummy,
         sin.contiguous() if sin is not None else dummy,
         v.codes.contiguous().view(torch.int8) if v.fmt.bits == 8 else v.codes.contiguous(),

@@ -9,6 +9,8 @@ kernel serves every layer's allocation.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -67,7 +69,7 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
             f"{rows.shape[-1]} and {scale_rows.shape[-1]}"
         )
     device = packed.device
-    table = [torch.tensor(t, dtype=torch.int32, device=device) for t in (bits, offsets, index)]
+    table = _tables(tuple(bits), tuple(offsets), tuple(index), device)
     out = torch.empty(rows.shape[0], len(bits) * GROUP, dtype=torch.float32, device=device)
     if rows.shape[0]:
         grid = (rows.shape[0], len(bits))
@@ -75,3 +77,11 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
             rows, scale_rows, *table, out, rows.shape[-1], scale_rows.shape[-1], len(bits), GROUP_SIZE=GROUP
         )
     return out.reshape(*lead, len(bits) * GROUP)
+
+
+@functools.cache
+def _tables(*columns_and_device) -> list[torch.Tensor]:
+    """The kernel's int32 tables (depths, byte offsets, scale columns) on the device, made once per layout and device
+    (a copy from the host at every call would stall a GPU's queue)."""
+    *columns, device = columns_and_device
+    return [torch.tensor(column, dtype=torch.int32, device=device) for column in columns]

@@ -1,0 +1,420 @@
+"""Triton kernels of the residual cache's decoding step (`residual.layer`, no references):
+
+- `write_raw` (one launch): new tokens into the raw window's room, in its dtype (fp16 saturating). Specification:
+  `reference.write_rows` of `quant.saturate_fp16`'d (or cast) tokens.
+- `encode_latent_into` (one launch, a program per tile of tokens and stored latent group): the raw tokens leaving the
+  window turned back by their RoPE into the canonical order, less the mean, times the encoder's columns of the group,
+  quantized at the group's depth (absmax scale in fp16, codes rounded half to even) and packed (eight codes of `b`
+  bits are `b` bytes) into the codes' room. Specification: `reference.encode_latent_into` (the same bytes but where
+  the fp32 products' order moves a value across a rounding boundary).
+- `latent_stream_attention` (two launches): a split kernel over the coded tokens (all query heads of a kv head in one
+  program) decodes each tile's key latents from their packed groups, turns them into keys with the decoder (one group's
+  32 rows at a time), re-applies RoPE from the positions, scores them and folds the tile's value latents into an online
+  softmax, in latent space, then applies the value decoder once to what it summed (and the mean, by the softmax's
+  weight); the merge combines the splits, folds in the raw sinks and window, and normalises. Specification:
+  `reference.latent_stream_attention` (one query per head).
+
+Group parameters (depths, byte offsets, scale columns) are compile-time tuples: a layer's depths are fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant.bitpack import GROUP
+from ..layout import LatentCoder, LatentStream, RopeAngles
+from .common import EXACT, FP16_MAX, rope_cos_sin, round_half_even, saturate_fp16, turned_cos_sin
+
+TILE_TOKENS = 16  # coded tokens a program decodes and scores at a time
+TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+ENCODE_ROWS = 16  # tokens a program of the encoder codes
+LATENT = tl.constexpr(GROUP)  # components of a latent group (the kernels' name for `quant.bitpack.GROUP`)
+
+
+def groups_of(bits: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Of the stored latent groups (keys' then values'): depth, first byte in a token's codes, their stream (0: keys,
+    1: values), their first component among the stream's stored ones."""
+    half = len(bits) // 2
+    depths, starts, streams, firsts = [], [], [], []
+    start, seen = 0, [0, 0]
+    for g, b in enumerate(bits):
+        if b:
+            stream = int(g >= half)
+            depths.append(b)
+            starts.append(start)
+            streams.append(stream)
+            firsts.append(seen[stream])
+            start += GROUP * b // 8
+            seen[stream] += GROUP
+    return tuple(depths), tuple(starts), tuple(streams), tuple(firsts)
+
+
+@triton.jit
+def _raw_rows_kernel(
+    k_ptr, v_ptr, kd_ptr, vd_ptr, heads, at, n,
+    skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, seb, seh, set_,
+    D: tl.constexpr, DV: tl.constexpr, ROWS: tl.constexpr, SATURATE: tl.constexpr,
+):  # fmt: skip
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    t = tile * ROWS + tl.arange(0, ROWS)[:, None]
+    live = t < n
+    e, ev = tl.arange(0, D)[None, :], tl.arange(0, DV)[None, :]
+    key = tl.load(k_ptr + b * skb + h * skh + t * skt + e, mask=live, other=0.0)
+    value = tl.load(v_ptr + b * svb + h * svh + t * svt + ev, mask=live, other=0.0)
+    if SATURATE:
+        key, value = saturate_fp16(key.to(tl.float32)), saturate_fp16(value.to(tl.float32))
+    tl.store(kd_ptr + b * sdb + h * sdh + (at + t) * sdt + e, key.to(kd_ptr.dtype.element_ty), mask=live)
+    tl.store(vd_ptr + b * seb + h * seh + (at + t) * set_ + ev, value.to(vd_ptr.dtype.element_ty), mask=live)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and not n & (n - 1)
+
+
+def serves_raw(keys: torch.Tensor, values: torch.Tensor, key_target: torch.Tensor) -> bool:
+    """Power-of-two widths of at least 16 and contiguous rows; the tokens' dtype the target's or wider (fp32 into
+    fp16: saturated)."""
+    same = keys.dtype == key_target.dtype or (keys.dtype == torch.float32 and key_target.dtype == torch.float16)
+    return _pow2(keys.shape[-1]) and _pow2(values.shape[-1]) and keys.stride(-1) == values.stride(-1) == 1 and same
+
+
+def write_raw(keys: torch.Tensor, values: torch.Tensor, key_target: torch.Tensor, value_target: torch.Tensor,
+              at: int) -> None:  # fmt: skip
+    """New tokens `[batch, heads, n, dim]` into rows `at...` of the targets (in their dtype: fp16 saturating)."""
+    batch, heads, n, dim = keys.shape
+    rows = min(triton.next_power_of_2(max(n, 1)), 16)
+    _raw_rows_kernel[(batch * heads, max(triton.cdiv(n, rows), 1))](
+        keys, values, key_target, value_target, heads, at, n,
+        *keys.stride()[:3], *values.stride()[:3], *key_target.stride()[:3], *value_target.stride()[:3],
+        D=dim, DV=values.shape[-1], ROWS=rows, SATURATE=key_target.dtype == torch.float16,
+    )  # fmt: skip
+
+
+@triton.jit
+def _encoder_chunk(k_ptr, v_ptr, pos_ptr, freq_ptr, order_ptr, mean_ptr, enc_ptr, width, first, b, t, live, s0,
+                   skb, skh, skt, svb, svh, svt, sxb, sxt, KEYS: tl.constexpr, D: tl.constexpr, SC: tl.constexpr,
+                   ROPE: tl.constexpr, ORDER: tl.constexpr):  # fmt: skip
+    """Channels `s0...s0 + SC` of the tokens `t` (heads concatenated; keys turned back by their RoPE into the canonical
+    order) less the mean, `[ROWS, SC]`, and the encoder's rows of those channels for one group's columns from `first`
+    on, `[SC, LATENT]`."""
+    s = s0 + tl.arange(0, SC)
+    h, cc = s // D, s % D
+    half: tl.constexpr = D // 2
+    if KEYS:
+        c = cc % half
+        if ORDER:
+            lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
+        else:
+            lo_at, hi_at = c, c + half
+        row = k_ptr + b * skb + h[None, :] * skh + t[:, None] * skt
+        a = tl.load(row + lo_at[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        z = tl.load(row + hi_at[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        if ROPE:  # rotate_pairs(x, cos, -sin)
+            cos, sin = rope_cos_sin(tl.load(pos_ptr + b * sxb + t * sxt, mask=live, other=0)[:, None],
+                                    tl.load(freq_ptr + c)[None, :])  # fmt: skip
+            x = tl.where((cc < half)[None, :], a * cos + z * sin, z * cos - a * sin)
+        else:
+            x = tl.where((cc < half)[None, :], a, z)
+    else:
+        x = tl.load(v_ptr + b * svb + h[None, :] * svh + t[:, None] * svt + cc[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)  # fmt: skip
+    x = x - tl.load(mean_ptr + s)[None, :]
+    return x, tl.load(enc_ptr + s[:, None] * width + first + tl.arange(0, LATENT)[None, :])
+
+
+@triton.jit
+def _encode_kernel(
+    k_ptr, v_ptr, pos_ptr, freq_ptr, order_ptr, kmean_ptr, vmean_ptr, kenc_ptr, venc_ptr, codes_ptr, scales_ptr,
+    n, tiles, at, key_width, value_width,
+    skb, skh, skt, svb, svh, svt, sxb, sxt, scb, sct, ssb, sst,
+    WIDTH: tl.constexpr, D: tl.constexpr, SC: tl.constexpr, ROWS: tl.constexpr, DEPTHS: tl.constexpr,
+    STARTS: tl.constexpr, STREAMS: tl.constexpr, FIRSTS: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr,
+):  # fmt: skip
+    pid, group = tl.program_id(0), tl.program_id(1)
+    b, tile = pid // tiles, pid % tiles
+    t = tile * ROWS + tl.arange(0, ROWS)
+    live = t < n
+    for i in tl.static_range(len(DEPTHS)):  # (the program's group: a compile-time branch each)
+        if group == i:
+            latent = tl.zeros((ROWS, LATENT), tl.float32)
+            for s0 in range(0, WIDTH, SC):  # the encoder's product, SC channels at a time
+                if STREAMS[i] == 0:
+                    x, w = _encoder_chunk(k_ptr, v_ptr, pos_ptr, freq_ptr, order_ptr, kmean_ptr, kenc_ptr, key_width,
+                                          FIRSTS[i], b, t, live, s0, skb, skh, skt, svb, svh, svt, sxb, sxt, True, D,
+                                          SC, ROPE, ORDER)  # fmt: skip
+                else:
+                    x, w = _encoder_chunk(k_ptr, v_ptr, pos_ptr, freq_ptr, order_ptr, vmean_ptr, venc_ptr,
+                                          value_width, FIRSTS[i], b, t, live, s0, skb, skh, skt, svb, svh, svt, sxb,
+                                          sxt, False, D, SC, ROPE, ORDER)  # fmt: skip
+                latent += tl.dot(x, w, input_precision="ieee")
+            bits: tl.constexpr = DEPTHS[i]
+            qmax: tl.constexpr = (1 << (bits - 1)) - 1
+            scale = tl.minimum(tl.math.div_rn(tl.max(tl.abs(latent), axis=1), tl.full((ROWS,), qmax, tl.float32)),
+                               FP16_MAX).to(tl.float16)  # fmt: skip
+            d = scale.to(tl.float32)
+            inverse = tl.where(d > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
+            q = round_half_even(latent * inverse[:, None])
+            codes = (tl.minimum(tl.maximum(q, -qmax), qmax) + qmax).to(tl.int64)
+            # eight codes of `bits` bits are `bits` bytes: code m of a chunk at bit m * bits (quant.bitpack.pack_bits)
+            chunk = tl.sum(tl.reshape(codes, (ROWS, LATENT // 8, 8)) << (tl.arange(0, 8) * bits)[None, None, :], axis=2)
+            r = tl.arange(0, 8)
+            out = ((chunk[:, :, None] >> (8 * r)[None, None, :]) & 255).to(tl.uint8)  # [ROWS, 4, 8]: byte r
+            place = tl.arange(0, LATENT // 8)[None, :, None] * bits + r[None, None, :] + STARTS[i]
+            token = codes_ptr + b * scb + (at + t)[:, None, None] * sct
+            tl.store(token + place, out, mask=live[:, None, None] & (r < bits)[None, None, :])
+            tl.store(scales_ptr + b * ssb + (at + t) * sst + i, scale, mask=live)
+
+
+def serves_encode(keys: torch.Tensor, target: LatentStream) -> bool:
+    """Heads of a power-of-two width of at least 16 (a matrix product's operand), the rows of the codes and scales
+    contiguous."""
+    dim = keys.shape[-1]
+    return _pow2(dim) and target.codes.stride(-1) == target.scales.stride(-1) == 1
+
+
+def encode_latent_into(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    coder: LatentCoder,
+    bits: tuple[int, ...],
+    target: LatentStream,
+    at: int,
+) -> None:
+    """`reference.encode_latent_into` (see there) in one launch; `freqs` float64 and `order` on the keys' device."""
+    batch, heads, n, dim = keys.shape
+    if not n:
+        return
+    depths, starts, streams, firsts = groups_of(bits)
+    tiles = triton.cdiv(n, ENCODE_ROWS)
+    rope = freqs is not None
+    pos = positions if rope else keys
+    _encode_kernel[(batch * tiles, len(depths))](
+        keys, values, pos, freqs if rope else keys, order if order is not None else keys, coder.key_mean,
+        coder.value_mean, coder.key_encoder, coder.value_encoder, target.codes, target.scales,
+        n, tiles, at, coder.key_encoder.shape[1], coder.value_encoder.shape[1],
+        *keys.stride()[:3], *values.stride()[:3], pos.stride(0), pos.stride(-1), target.codes.stride(0),
+        target.codes.stride(1), target.scales.stride(0), target.scales.stride(1),
+        WIDTH=heads * dim, D=dim, SC=min(dim, 64), ROWS=ENCODE_ROWS, DEPTHS=depths,
+        STARTS=starts, STREAMS=streams, FIRSTS=firsts, ROPE=rope, ORDER=order is not None, **EXACT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _group_latent(token_codes, token_scales, valid, BITS: tl.constexpr, START: tl.constexpr, SCALE_AT: tl.constexpr):
+    """fp32 `[T, LATENT]` latent components of one stored group of tokens whose codes start at `token_codes` (`[T, 1]`
+    pointers) and scales at `token_scales` (`[T]`): `(code - qmax) * scale` (`reference.dequantize_latent`)."""
+    j = tl.arange(0, LATENT)[None, :]
+    bit = j * BITS
+    at = token_codes + START + bit // 8
+    shift = bit % 8
+    word = tl.load(at, mask=valid[:, None], other=0).to(tl.int32)
+    word = word | (tl.load(at + 1, mask=valid[:, None] & (shift + BITS > 8), other=0).to(tl.int32) << 8)
+    code = (word >> shift) & ((1 << BITS) - 1)
+    qmax: tl.constexpr = (1 << (BITS - 1)) - 1
+    scale = tl.load(token_scales + SCALE_AT, mask=valid, other=0.0).to(tl.float32)
+    return (code - qmax).to(tl.float32) * scale[:, None]
+
+
+@triton.jit
+def _product(a, b):
+    """`a @ b` in fp32 by broadcast products (`[M, K] @ [K, N]`, small M)."""
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+@triton.jit
+def _latent_split_kernel(
+    q_ptr, codes_ptr, scales_ptr, kdec_ptr, kmean_ptr, vdec_ptr, vmean_ptr, pos_ptr, freq_ptr, order_ptr, mask_ptr,
+    o_ptr, m_ptr, l_ptr,
+    heads, length, coded_column, per_split, scale, stream_width,
+    sqb, sqh, sqg, scb, sct, ssb, sst, sxb, sxt, smb, smt,
+    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, NV: tl.constexpr,
+    NV_PAD: tl.constexpr, DEPTHS: tl.constexpr, STARTS: tl.constexpr, STREAMS: tl.constexpr, FIRSTS: tl.constexpr,
+    ROPE: tl.constexpr, ORDER: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    bh, split = tl.program_id(0), tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b, h = bh // heads, bh % heads
+    half: tl.constexpr = D // 2
+    c = tl.arange(0, half)
+    g = tl.arange(0, G_PAD)
+    j = tl.arange(0, LATENT)
+    if ORDER:  # the coded keys are canonical: so are the queries that meet them
+        lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
+    else:
+        lo_at, hi_at = c, c + half
+    rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
+    q_lo = tl.load(rows + lo_at[None, :], mask=(g < GROUP_Q)[:, None], other=0.0).to(tl.float32)
+    q_hi = tl.load(rows + hi_at[None, :], mask=(g < GROUP_Q)[:, None], other=0.0).to(tl.float32)
+    freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
+    mean_lo = tl.load(kmean_ptr + h * D + c)
+    mean_hi = tl.load(kmean_ptr + h * D + half + c)
+    slots = tl.arange(0, NV_PAD)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, NV_PAD, LATENT), tl.float32)  # the value latents, by stored group
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+    for t0 in range(start, end, T):
+        tok = t0 + tl.arange(0, T)
+        valid = tok < end
+        if MASK:
+            valid = valid & (tl.load(mask_ptr + b * smb + (coded_column + tok) * smt, mask=valid, other=0) != 0)
+        token_codes = codes_ptr + b * scb + tok[:, None] * sct
+        token_scales = scales_ptr + b * ssb + tok * sst
+        k_lo = tl.zeros((T, half), tl.float32) + mean_lo[None, :]
+        k_hi = tl.zeros((T, half), tl.float32) + mean_hi[None, :]
+        for i in tl.static_range(len(DEPTHS)):  # keys: each stored group times its 32 rows of the decoder
+            if STREAMS[i] == 0:
+                z = _group_latent(token_codes, token_scales, valid, DEPTHS[i], STARTS[i], i)
+                row = kdec_ptr + (j + FIRSTS[i])[:, None] * stream_width + h * D
+                k_lo += tl.dot(z, tl.load(row + c[None, :]), input_precision="ieee")
+                k_hi += tl.dot(z, tl.load(row + half + c[None, :]), input_precision="ieee")
+        if ROPE:
+            pos = tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0)
+            cos, sin = turned_cos_sin(pos[:, None], freqs[None, :])
+            k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+        scores = (_product(q_lo, tl.trans(k_lo)) + _product(q_hi, tl.trans(k_hi))) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        acc = acc * alpha[:, None, None]
+        for i in tl.static_range(len(DEPTHS)):  # values: the weights times each stored group's latents
+            if STREAMS[i] == 1:
+                z = _group_latent(token_codes, token_scales, valid, DEPTHS[i], STARTS[i], i)
+                at = (slots == FIRSTS[i] // LATENT)[None, :, None]
+                acc += tl.where(at, _product(p, z)[:, None, :], 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    # the value decoder once per split: sum_t p_t (z_t D + mean) = (sum_t p_t z_t) D + mean sum_t p_t, by group
+    e = tl.arange(0, D)
+    values = l_i[:, None] * tl.load(vmean_ptr + h * D + e)[None, :]
+    for i in tl.static_range(NV):
+        rows = tl.sum(tl.where((slots == i)[None, :, None], acc, 0.0), axis=1)  # [G_PAD, LATENT]
+        values += _product(rows, tl.load(vdec_ptr + (j + i * LATENT)[:, None] * stream_width + h * D + e[None, :]))
+    out = (bh * n_splits + split) * G_PAD + g
+    tl.store(o_ptr + out[:, None] * D + e[None, :], values)
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+
+
+@triton.jit
+def _fold_raw(q, key, value, column, m_i, l_i, acc, b, mask_ptr, smb, smt, scale, MASK: tl.constexpr):
+    """One raw token (`key`, `value` `[D]`, at mask column `column`) folded into the running statistics."""
+    score = tl.sum(q * key.to(tl.float32)[None, :], axis=1) * scale
+    if MASK:
+        score = tl.where(tl.load(mask_ptr + b * smb + column * smt) != 0, score, float("-inf"))
+    m_new = tl.maximum(m_i, score)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha, p = tl.exp(m_i - m_safe), tl.exp(score - m_safe)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _latent_merge_kernel(
+    q_ptr, o_ptr, m_ptr, l_ptr, sk_ptr, sv_ptr, wk_ptr, wv_ptr, mask_ptr, out_ptr,
+    heads, n_splits, sinks, window, window_column, scale,
+    sqb, sqh, sqg, skb, skh, skt, svb, svh, svt, swb, swh, swt, sub, suh, sut, smb, smt,
+    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    g = tl.arange(0, G_PAD)
+    e = tl.arange(0, D)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    for s in range(n_splits):  # the splits, by log-sum-exp
+        at = (bh * n_splits + s) * G_PAD + g
+        m_s, l_s = tl.load(m_ptr + at), tl.load(l_ptr + at)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        mine, theirs = tl.exp(m_i - m_safe), tl.exp(m_s - m_safe)
+        l_i = l_i * mine + l_s * theirs
+        acc = acc * mine[:, None] + tl.load(o_ptr + at[:, None] * D + e[None, :]) * theirs[:, None]
+        m_i = m_new
+    q = tl.load(q_ptr + b * sqb + h * sqh + g[:, None] * sqg + e[None, :], mask=(g < GROUP_Q)[:, None],
+                other=0.0).to(tl.float32)  # fmt: skip
+    for t in range(sinks):
+        key = tl.load(sk_ptr + b * skb + h * skh + t * skt + e)
+        value = tl.load(sv_ptr + b * svb + h * svh + t * svt + e)
+        m_i, l_i, acc = _fold_raw(q, key, value, t, m_i, l_i, acc, b, mask_ptr, smb, smt, scale, MASK)
+    for t in range(window):
+        key = tl.load(wk_ptr + b * swb + h * swh + t * swt + e)
+        value = tl.load(wv_ptr + b * sub + h * suh + t * sut + e)
+        m_i, l_i, acc = _fold_raw(q, key, value, window_column + t, m_i, l_i, acc, b, mask_ptr, smb, smt, scale, MASK)
+    out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # nothing seen gives zeros
+    tl.store(out_ptr + (bh * GROUP_Q + g[:, None]) * D + e[None, :], out, mask=(g < GROUP_Q)[:, None])
+
+
+def supports(query: torch.Tensor, stream: LatentStream, raw: list, mask: torch.Tensor | None) -> bool:
+    """One power-of-two head width of 32-256 (a key half is a matrix product's operand), the rows of the codes, the
+    scales and every raw part contiguous; a mask of one query row."""
+    dim = query.shape[-1]
+    if dim < 32 or dim > 256 or dim & (dim - 1) or (mask is not None and mask.shape[1] != 1):
+        return False
+    tensors = [stream.codes, stream.scales, *[t for keys, values, _ in raw for t in (keys, values)]]
+    return all(t.stride(-1) == 1 for t in tensors)
+
+
+def latent_stream_attention(
+    query: torch.Tensor,
+    raw: list[tuple[torch.Tensor, torch.Tensor, int]],
+    stream: LatentStream,
+    coder: LatentCoder,
+    rope: RopeAngles | None,
+    order: torch.Tensor | None,
+    coded_column: int,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """`reference.latent_stream_attention` for one query per head (see `supports`): fp32 `[batch, kv_heads, group,
+    dim]`. `raw`: the sinks, then the window (keys after RoPE, model order), each with its first mask column;
+    `rope.freqs` float64 and `order` on the queries' device; `mask` bool `[batch, 1, columns]` or None."""
+    batch, heads, group, dim = query.shape
+    device = query.device
+    (sink_keys, sink_values, _), (window_keys, window_values, window_column) = raw
+    g_pad = max(triton.next_power_of_2(group), 1)
+    value_groups = coder.value_decoder.shape[0] // GROUP
+    nv_pad = triton.next_power_of_2(max(value_groups, 1))
+    length = stream.length
+    splits = min(MAX_SPLITS, triton.cdiv(length, TOKENS_PER_SPLIT))
+    per_split = triton.cdiv(triton.cdiv(length, splits), TILE_TOKENS) * TILE_TOKENS if splits else 0
+    splits = triton.cdiv(length, per_split) if splits else 0
+    o = torch.empty(batch * heads, splits, g_pad, dim, dtype=torch.float32, device=device)
+    m = torch.empty(batch * heads, splits, g_pad, dtype=torch.float32, device=device)
+    l_sum = torch.empty_like(m)
+    mask_rows = mask if mask is not None else query
+    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
+    stream_width = coder.key_mean.shape[0]
+    if splits:
+        depths, starts, streams, firsts = groups_of(stream.bits)
+        positions = rope.positions if rope is not None else query
+        _latent_split_kernel[(batch * heads, splits)](
+            query, stream.codes, stream.scales, coder.key_decoder, coder.key_mean, coder.value_decoder,
+            coder.value_mean, positions, rope.freqs if rope is not None else query,
+            order if order is not None else query, mask_rows, o, m, l_sum,
+            heads, length, coded_column, per_split, float(scale), stream_width,
+            *query.stride()[:3], stream.codes.stride(0), stream.codes.stride(1), stream.scales.stride(0),
+            stream.scales.stride(1), positions.stride(0), positions.stride(-1), *mask_strides,
+            GROUP_Q=group, G_PAD=g_pad, D=dim, T=TILE_TOKENS, NV=value_groups, NV_PAD=nv_pad, DEPTHS=depths,
+            STARTS=starts, STREAMS=streams, FIRSTS=firsts, ROPE=rope is not None, ORDER=order is not None,
+            MASK=mask is not None, num_warps=4 if dim < 128 else 8,
+        )  # fmt: skip
+    out = torch.empty(batch, heads, group, dim, dtype=torch.float32, device=device)
+    _latent_merge_kernel[(batch * heads,)](
+        query, o, m, l_sum, sink_keys, sink_values, window_keys, window_values, mask_rows, out,
+        heads, splits, sink_keys.shape[2], window_keys.shape[2], window_column, float(scale),
+        *query.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3], *window_keys.stride()[:3],
+        *window_values.stride()[:3], *mask_strides,
+        GROUP_Q=group, G_PAD=g_pad, D=dim, MASK=mask is not None, num_warps=4 if dim < 256 else 8,
+    )  # fmt: skip
+    return out
