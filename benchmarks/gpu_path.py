@@ -13,7 +13,8 @@ exists, else the PyTorch reference, never C++), run here on CPU tensors under Tr
 - Allocations: the largest buffer one layer's decoding step allocates (on steps that grow no stored buffer; growth
   copies the history once per 1/ROOM_FRACTION of it), against what the layer stores.
 - Bytes read: the distinct bytes each program of one decoding step's kernels loads, summed (`LoadTracer`), against
-  the layers' `nbytes()` plus queries and outputs, at 4K.
+  the layers' `nbytes()` plus queries and outputs, at 4K for the default cache and at `BYTES_OTHERS_LENGTH` for the
+  others.
 - Prefill memory: one layer of the default cache, 8 kv heads x 128, bf16: the peak its coding and its
   reconstruction for attention allocate, above what it holds after, against its fp16 keys and values
   (`MemoryTracker`; on the GPU path the kernels' bodies are skipped: they allocate nothing).
@@ -46,6 +47,7 @@ BUDGET = {"launches": 8, "coding_launches": 16, "syncs": 0}
 BYTES_BUDGET = 1.15  # distinct bytes a decoding step's programs load, over the layers' storage + queries + outputs
 PREFILL_BUDGET = 2.0  # a prefill's transient memory over the layer's fp16 keys and values
 LENGTHS = (200, 4096)
+BYTES_OTHERS_LENGTH = 1024  # the other caches' bytes read are measured at this length (interpreted: ~10 s each)
 
 
 @contextlib.contextmanager
@@ -182,10 +184,9 @@ def bytes_read(length: int = 4096, spec: str = "delta") -> dict:
     layers' storage (`nbytes()`) plus each layer's queries and output: a step that codes nothing and grows nothing,
     in the middle of a group, after a `length`-token prompt (encoded by the CPU kernels) and one step."""
     from hf_deltakv.eval.gpu_path import LoadTracer
-    from hf_deltakv.registry import build_cache
 
     model = tiny_llama()
-    cache = build_cache(spec, model)
+    cache = build(spec, model)
     config = model.config
     ids = torch.randint(3, 128, (1, length - 16), generator=torch.Generator().manual_seed(0))
     with kernels_path("auto"):
@@ -302,9 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     read = None if args.no_bytes else bytes_read(4096)
     if read:
         print(f"bytes read by a decoding step at 4K: {read['ratio']:.3f}x the layers' storage + queries + outputs")
+    others = [] if args.no_bytes else [bytes_read(BYTES_OTHERS_LENGTH, spec) for spec in args.caches.split(",")
+                                       if spec not in ("dynamic", "delta")]  # fmt: skip
+    for other in others:
+        print(f"bytes read by a decoding step of {other['cache']} at {BYTES_OTHERS_LENGTH}: {other['ratio']:.3f}x")
     result = {"budget": BUDGET, "bytes_budget": BYTES_BUDGET, "prefill_budget": PREFILL_BUDGET,
               "model": "tiny Llama: 2 layers, 4 query heads on 2 kv heads of 32 channels, fp32, random weights",
-              "rows": rows, "prefill_memory": memory, "bytes_read": read,
+              "rows": rows, "prefill_memory": memory, "bytes_read": read, "bytes_read_others": others,
               "seconds": round(time.perf_counter() - started)}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -84,13 +84,24 @@ def test_the_residual_cache_codes_while_decoding_on_the_gpu_path(monkeypatch):
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
+    caches = []
+
+    def make():
+        caches.append(_cache("residual", model))
+        return caches[-1]
+
+    _generated_on_both_paths(model, ids, mask, 18, make, monkeypatch)
+    assert all(cache.layers[0].compressed == 40 + 17 - 8 - 16 - 1 for cache in caches)  # (16 left at the 17th step)
+
+
+def _generated_on_both_paths(model, ids, mask, new: int, make, monkeypatch) -> None:
+    """`generate` with a cache of `make()` on the reference path and on the GPU path: the same tokens, logits within
+    the tolerance."""
     out = {}
     for path in ("reference", "triton"):
         monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
-        cache = _cache("residual", model)
-        out[path] = model.generate(ids, attention_mask=mask, max_new_tokens=18, do_sample=False, cache=cache,
+        out[path] = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, cache=make(),
                                    output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        assert cache.layers[0].compressed == 40 + 17 - 8 - 16 - 1  # (coded at the 17th step: 16 leave the window)
     assert torch.equal(out["triton"].sequences, out["reference"].sequences)
     torch.testing.assert_close(torch.stack(out["triton"].logits), torch.stack(out["reference"].logits),
                                atol=LOGIT_ATOL, rtol=0)  # fmt: skip
@@ -102,12 +113,7 @@ def test_left_padded_batches_on_the_gpu_path(monkeypatch):
     ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[0, :13] = 0
-    out = {}
-    for path in ("reference", "triton"):
-        monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
-        out[path] = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                   cache=DeltaKVCache(kf=32, model=model))  # fmt: skip
-    assert torch.equal(out["triton"], out["reference"])
+    _generated_on_both_paths(model, ids, mask, 4, lambda: DeltaKVCache(kf=32, model=model), monkeypatch)
 
 
 @pytest.mark.real_model

@@ -27,7 +27,7 @@ from ...quant import QuantizedTensor
 from ...quant.bitplanes import MAX_BITS
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, PlainStream, RopeAngles
-from .common import TILE_KINDS, butterflies, log2_of, saturate_fp16, turned_cos_sin
+from .common import TILE_KINDS, butterflies, log2_of, query_halves, saturate_fp16, turned_cos_sin
 
 WORDS = {8: tl.uint8, 16: tl.uint16, 32: tl.uint32, 64: tl.uint64}  # a plane of a group of this many tokens
 TILE_TOKENS = 16  # tokens decoded and scored at a time (head_dim 256: half): what keeps the tiles in registers
@@ -136,9 +136,7 @@ def _adaptive_split_kernel(
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
     g = tl.arange(0, G_PAD)
-    rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
-    q_lo = tl.load(rows + c[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
-    q_hi = tl.load(rows + half + c[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, c, c + half, GROUP, G_PAD)
     freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
     step_cos, step_sin = turned_cos_sin(tl.arange(0, T)[:, None], freqs[None, :])  # of j * freq, a tile's slots j
     words = planes_ptr.to(tl.pointer_type(WORD)) + b * spb + h * sph  # (strides in words)
@@ -221,8 +219,7 @@ def _adaptive_merge_kernel(
         )
         m_i = m_new
     rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
-    q_lo = tl.load(rows + c[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
-    q_hi = tl.load(rows + half + c[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, c, c + half, GROUP, G_PAD)
     if TAIL:  # the raw tail after the coded groups (values still rotated, like the splits'), T at a time
         freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
         step_cos, step_sin = turned_cos_sin(tl.arange(0, T)[:, None], freqs[None, :])

@@ -88,3 +88,14 @@ def to_dtype(x, DTYPE: tl.constexpr):
         rounded = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.where(x != x, float("nan"), rounded.to(tl.float32)).to(tl.bfloat16)
     return x.to(DTYPE)
+
+
+@triton.jit
+def query_halves(q_ptr, b, h, sqb, sqh, sqg, lo_at, hi_at, GROUP: tl.constexpr, G_PAD: tl.constexpr):
+    """fp32 `[G_PAD, D/2]` pair halves of the queries of kv head `h` (its `GROUP` query heads: rows past them zeros),
+    channels `lo_at` and `hi_at` of each row (`c` and `c + D/2`, or a canonical order's)."""
+    g = tl.arange(0, G_PAD)
+    rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
+    live = (g < GROUP)[:, None]
+    lo = tl.load(rows + lo_at[None, :], mask=live, other=0.0).to(tl.float32)
+    return lo, tl.load(rows + hi_at[None, :], mask=live, other=0.0).to(tl.float32)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...quant.bitpack import GROUP
 from ..layout import LatentCoder, LatentStream, RopeAngles
-from .common import EXACT, FP16_MAX, rope_cos_sin, round_half_even, saturate_fp16, turned_cos_sin
+from .common import EXACT, FP16_MAX, query_halves, rope_cos_sin, round_half_even, saturate_fp16, turned_cos_sin
 
 TILE_TOKENS = 16  # coded tokens a program decodes and scores at a time
 TOKENS_PER_SPLIT = 256
@@ -249,9 +249,7 @@ def _latent_split_kernel(
         lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
     else:
         lo_at, hi_at = c, c + half
-    rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
-    q_lo = tl.load(rows + lo_at[None, :], mask=(g < GROUP_Q)[:, None], other=0.0).to(tl.float32)
-    q_hi = tl.load(rows + hi_at[None, :], mask=(g < GROUP_Q)[:, None], other=0.0).to(tl.float32)
+    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, lo_at, hi_at, GROUP_Q, G_PAD)
     freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
     mean_lo = tl.load(kmean_ptr + h * D + c)
     mean_hi = tl.load(kmean_ptr + h * D + half + c)
