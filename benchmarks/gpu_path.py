@@ -115,12 +115,14 @@ def coded_groups(cache) -> int:
 
 
 @torch.no_grad()
-def count(spec: str, length: int, steps: int, model=None, prompt_path: str = "triton", bodies: bool = True) -> dict:
+def count(spec: str, length: int, steps: int, model=None, prompt_path: str = "triton", bodies: bool = True,
+          chunk: int = 1) -> dict:  # fmt: skip
     """Per-step, per-layer launches and syncs of `spec` on the GPU path after a `length`-token prompt (encoded on
     `prompt_path`: "auto" takes the CPU kernels, which store the same bytes, in seconds where the interpreter takes
     minutes). `bodies=False` skips the interpreted kernels' bodies while counting: with no sync, nothing on the host
     depends on what a kernel computes, so the counts are the same (tested at 200 tokens), in seconds instead of the
-    interpreter's minutes per step at 4K."""
+    interpreter's minutes per step at 4K. `chunk`: tokens each step feeds (more than one: a chunked prefill's, or
+    assisted decoding's candidates)."""
     from hf_deltakv.eval.gpu_path import LaunchCounter, per_layer
 
     model = model if model is not None else tiny_llama()
@@ -135,8 +137,9 @@ def count(spec: str, length: int, steps: int, model=None, prompt_path: str = "tr
     with kernels_path("triton"), skipped, LaunchCounter(cache) as counter:
         for _ in range(steps):
             before = coded_groups(cache)
+            fed = token if chunk == 1 else torch.cat([token, torch.randint(3, 128, (1, chunk - 1))], dim=1)
             with counter.step() as step:
-                logits = model(token, cache=cache, use_cache=True).logits
+                logits = model(fed, cache=cache, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
             layers = per_layer(step)
             rows.append({

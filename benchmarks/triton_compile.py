@@ -233,7 +233,7 @@ def launches(quick: bool = False) -> list[Launch]:
             query = torch.randn(1, 2, group, dim, generator=g).to(dtype)
             mask = torch.ones(1, 1, 60, dtype=torch.bool) if masked else None
             sinks = torch.zeros(1, 2, 4, dim, dtype=dtype)
-            out, observed = kept.kept_attention(query, sinks, sinks, stream, mask, 0.1, observe)
+            out, observed = kept.kept_attention(query, sinks, sinks, stream, mask, 0.1, 0 if observe else None)
             pending = torch.zeros(1, 2, 1, dtype=torch.int64)
             kept.keep_rows(torch.randn(1, 2, 1, dim, generator=g).to(dtype), sinks[:, :, :1], stream, 49, 70, pending)
             kept.compact_kept(stream, pending, stream)

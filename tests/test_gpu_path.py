@@ -107,6 +107,42 @@ def _generated_on_both_paths(model, ids, mask, new: int, make, monkeypatch) -> N
                                atol=LOGIT_ATOL, rtol=0)  # fmt: skip
 
 
+CHUNKED = ["delta", "q4_0-rot", "kivi-pre-rope", "snapkv", "residual"]  # each kind of kernel (a chunk costs minutes)
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_chunks_of_tokens_on_the_gpu_path_equal_the_reference_path(name, monkeypatch):
+    """After a prompt, chunks of 6 and 9 tokens (a chunked prefill, assisted decoding's candidates: each of their
+    queries sees the tokens up to its own) and a left-padded row: every position's logits within the tolerance."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 55), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    logits = {}
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("HF_DELTAKV_KERNELS", path)
+        cache, outs = _cache(name, model), []
+        with torch.no_grad():
+            for start, end in ((0, 40), (40, 46), (46, 55)):
+                out = model(ids[:, start:end], attention_mask=mask[:, :end], cache=cache, use_cache=True)
+                outs.append(out.logits)
+        logits[path] = torch.cat(outs, dim=1)
+    torch.testing.assert_close(logits["triton"], logits["reference"], atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_a_chunk_of_tokens_decodes_within_the_launch_and_sync_budget(name):
+    """Steps of 8 tokens at ~2K (kernel bodies skipped, as above; SnapKV's at 600 tokens with them: its choice of the
+    slots to evict reads what the attention kernel wrote): the same budget as a single token's step."""
+    bodies = name == "snapkv"
+    row = gpu_path.count(name, 600 if bodies else 2040, 3, prompt_path="auto", bodies=bodies, chunk=8)
+    assert row["syncs"] == 0, row["per_step"]
+    worst = max(row["launches"] or 0, row["coding_launches"] or 0)
+    assert worst <= gpu_path.BUDGET["coding_launches"] and (row["launches"] or 0) <= gpu_path.BUDGET["launches"], [
+        s["launches"] for s in row["per_step"]
+    ]
+
+
 def test_left_padded_batches_on_the_gpu_path(monkeypatch):
     """Rows of one batch padded on the left: the kernels read the mask (and pad positions) as the reference does."""
     model = tiny_model("llama")

@@ -93,6 +93,22 @@ def test_query_energy_is_added_as_the_reference_adds_it(group, packed):
         assert _same(add_query_energy(query, None, 2, start), reference.add_query_energy(query, None, 2, start))
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_chunks_query_energies_are_summed_as_the_reference_sums_them(group):
+    """A chunk's running sums (one per position), from queries laid out as transformers passes them (heads and
+    positions transposed: not contiguous)."""
+    from hf_deltakv.kernels.triton.append import add_query_energies
+
+    g = torch.Generator().manual_seed(group)
+    query = torch.randn(2, 7, 2 * group, 32, generator=g).to(torch.bfloat16).transpose(1, 2)  # [B, heads, 7, D]
+    order = torch.randperm(32, generator=g)
+    total = torch.rand(2, 2, 32, generator=g)
+    for start in (None, total):
+        for channels in (order, None):
+            want = reference.add_query_energies(query, channels, 2, start)
+            assert want.shape == (2, 2, 7, 32) and _same(add_query_energies(query, channels, 2, start), want)
+
+
 def _coded_rows(batch, heads, rows, total, group, dim):
     return (torch.zeros(batch, heads, rows, total, group // 8, dtype=torch.uint8),
             torch.zeros(batch, heads, rows, dim // 2, dtype=torch.uint8),
@@ -232,3 +248,54 @@ def test_row_copies_in_one_launch():
         expected[-1][:, :, : shape[2]] = src
     assert copy_rows(pairs) == []
     assert all(torch.equal(dst, want) for (_, dst), want in zip(pairs, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("keys_kind", "n", "group_size", "dim", "length", "masked", "rope"),
+    [
+        ("adaptive", 3, 3, 64, 100, False, "rope"),  # a chunk of 3: one block of 16 rows (9 used)
+        ("adaptive", 17, 2, 32, 90, True, "gaps"),  # 34 rows: 3 blocks, left padding
+        ("adaptive", 64, 1, 32, 130, False, None),  # the most queries the kernels take
+        ("q4_0", 5, 4, 64, 60, True, "rope"),  # plain keys before RoPE
+        ("q8_0", 9, 2, 32, 40, False, None),
+        ("kivi", 6, 3, 32, 75, False, "rope"),  # KIVI-style keys (groups and a tail)
+        ("kivi", 4, 2, 64, 70, True, None),
+    ],
+)  # fmt: skip
+def test_a_chunk_of_queries_matches_the_reference(keys_kind, n, group_size, dim, length, masked, rope):
+    """Several queries per head (a chunked prefill, assisted decoding's candidates: row `g * n + i` is query `i` of
+    head `g`), each seeing the tokens up to its own position, or its own row of the mask: the split kernels in blocks
+    of query rows, the merge folding the tail and sinks per row."""
+    from hf_deltakv.codecs import ChannelGroupCodec
+    from hf_deltakv.kernels.triton import stream_attention
+
+    batch, heads, sinks = 2, 2, 3
+    g = torch.Generator().manual_seed(n * dim + length)
+    if keys_kind == "adaptive":
+        keys, values = _streams(batch, heads, length, dim, 32, sinks, "q4_0", True, g)
+    else:
+        codec = ChannelGroupCodec("q4_1") if keys_kind == "kivi" else PlainCodec(keys_kind)
+        value_codec = RotatedCodec(PlainCodec("q4_0"))
+        codec.append(torch.randn(batch, heads, length, dim, generator=g))
+        value_codec.append(torch.randn(batch, heads, length, dim, generator=g))
+        keys, values = codec.layout(), value_codec.layout()
+    query = torch.randn(batch, heads, group_size * n, dim, generator=g)
+    sink_keys = torch.randn(batch, heads, sinks, dim, generator=g).half()
+    sink_values = torch.randn(batch, heads, sinks, dim, generator=g).half()
+    angles = None
+    if rope:
+        positions = (sinks + torch.arange(length)).expand(batch, length).to(torch.int32).contiguous()
+        if rope == "gaps":
+            positions = torch.randint(0, 30000, (batch, length), generator=g).to(torch.int32)
+        angles = RopeAngles(positions, FREQS[dim])
+    offset = sinks + length - n  # the chunk's queries are the last n tokens
+    mask = None
+    if masked:  # causal rows, left padding in the first sequence, a hole in the last
+        mask = torch.ones(n, sinks + length, dtype=torch.bool).tril(offset).expand(batch, n, -1).clone()
+        mask[0, :, 1 : sinks + 9] = False
+        mask[-1, :, sinks + 20 : sinks + 26] = False
+    args = (query, sink_keys, sink_values, keys, values, angles, mask, n, offset, dim**-0.5)
+    want = reference.stream_attention(*args)
+    got = stream_attention(*args)  # what the dispatch sends a CUDA device's chunk to (None: not served)
+    assert got is not None
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

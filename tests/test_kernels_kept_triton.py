@@ -89,7 +89,7 @@ def test_attention_over_the_slots_and_what_snapkv_chooses_match_the_references(
     want, importance = reference.kept_attention(query, sink_keys, sink_values, kept, mask, dim**-0.5, seen - 1, 0)
     grouped = query.view(batch, kv_heads, q_heads // kv_heads, dim)
     rows = None if mask is None else mask[:, :, 0]
-    got, observation = kept_attention(grouped, sink_keys, sink_values, kept, rows, dim**-0.5, True)
+    got, observation = kept_attention(grouped, sink_keys, sink_values, kept, rows, dim**-0.5, 0)
     torch.testing.assert_close(got.view(want.shape), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(reference.observed_importance(observation, kept), importance, atol=1e-6, rtol=1e-5)
     for drop, recent in ((1, 8), (3, 1)):
@@ -110,3 +110,33 @@ def test_snapkv_evicts_the_oldest_among_equals():
     expected = reference.snapkv_evicted(kept, observation, 2, 4, 3)
     assert expected[0, 0].tolist() == [0, 1]
     assert torch.equal(snapkv_evicted(kept, observation, 2, 4, 3), expected)
+
+
+@pytest.mark.parametrize(("n", "masked"), [(5, False), (20, True)])
+def test_a_chunk_of_queries_over_the_slots_matches_the_reference(n, masked):
+    """Several queries per head (a chunk: query `i` at position `query_position + i` sees the slots up to it, or its
+    row of the mask), SnapKV's observation of the last queries and the slots it evicts."""
+    from hf_deltakv.kernels.triton.kept import kept_attention, snapkv_evicted
+
+    batch, q_heads, kv_heads, dim = 2, 4, 2, 32
+    kept = _kept(batch, kv_heads, 90, dim, 4, 10, n)
+    positions = kept.index.max() + 1
+    g = torch.Generator().manual_seed(n)
+    query = torch.randn(batch, q_heads, n, dim, generator=g)
+    sinks = torch.randn(batch, kv_heads, 2, dim, generator=g).half()
+    query_position = int(positions) - n + 3  # the chunk's last queries are past the slots
+    mask = None
+    if masked:
+        mask = torch.ones(n, query_position + n, dtype=torch.bool).tril(query_position)
+        mask = mask.expand(batch, 1, n, -1).clone()
+        mask[0, :, :, :12] = False
+    observe_from = n - 3
+    want, importance = reference.kept_attention(query, sinks, sinks, kept, mask, dim**-0.5, query_position,
+                                                observe_from)  # fmt: skip
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads * n, dim)
+    rows = None if mask is None else mask[:, 0]
+    got, observation = kept_attention(grouped, sinks, sinks, kept, rows, dim**-0.5, observe_from, n, query_position)
+    torch.testing.assert_close(got.view(want.shape), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(reference.observed_importance(observation, kept), importance, atol=1e-6, rtol=1e-5)
+    expected = reference.snapkv_evicted(kept, observation, 5, 8, 7)
+    assert torch.equal(snapkv_evicted(kept, observation, 5, 8, 7), expected)

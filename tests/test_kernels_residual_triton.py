@@ -76,11 +76,12 @@ def test_coding_matches_the_reference(n, rope, order):
 
 
 @pytest.mark.parametrize(
-    ("q_heads", "kv_heads", "dim", "tokens", "sinks", "window", "rope", "masked"),
-    [(3, 1, 64, 45, 4, 7, True, False), (4, 2, 32, 300, 0, 16, True, True), (2, 2, 32, 20, 2, 0, False, False)],
-)
+    ("q_heads", "kv_heads", "dim", "tokens", "sinks", "window", "rope", "masked", "n"),
+    [(3, 1, 64, 45, 4, 7, True, False, 1), (4, 2, 32, 300, 0, 16, True, True, 1), (2, 2, 32, 20, 2, 0, False, False, 1),
+     (3, 1, 64, 45, 4, 7, True, False, 5), (4, 2, 32, 60, 2, 16, True, True, 12)],
+)  # fmt: skip
 def test_attention_over_raw_and_coded_tokens_matches_the_reference(
-    q_heads, kv_heads, dim, tokens, sinks, window, rope, masked
+    q_heads, kv_heads, dim, tokens, sinks, window, rope, masked, n
 ):
     from hf_deltakv.kernels.triton.residual import latent_stream_attention
 
@@ -98,15 +99,15 @@ def test_attention_over_raw_and_coded_tokens_matches_the_reference(
         freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
         angles = RopeAngles(torch.arange(sinks, sinks + tokens).expand(batch, -1).to(torch.int32), freqs)
         order = torch.randperm(dim, generator=g)
-    query = torch.randn(batch, kv_heads, q_heads // kv_heads, dim, generator=g)
+    query = torch.randn(batch, kv_heads, q_heads // kv_heads * n, dim, generator=g)  # (a chunk: row g * n + i)
     columns = sinks + tokens + window
+    offset = columns - n  # the queries are the last n tokens (several: a chunk, causal among them)
     mask = None
     if masked:
-        mask = torch.ones(batch, 1, columns, dtype=torch.bool)
+        mask = torch.ones(n, columns, dtype=torch.bool).tril(offset).expand(batch, n, columns).clone()
         mask[0, :, :3] = False
-        mask[1, :, 100:130] = False
+        mask[1, :, 40:55] = False
     scale = dim**-0.5
-    want = reference.latent_stream_attention(query, raw, stream, coder, angles, order, sinks, mask, 1, columns - 1,
-                                             scale)  # fmt: skip
-    got = latent_stream_attention(query, raw, stream, coder, angles, order, sinks, mask, scale)
+    want = reference.latent_stream_attention(query, raw, stream, coder, angles, order, sinks, mask, n, offset, scale)
+    got = latent_stream_attention(query, raw, stream, coder, angles, order, sinks, mask, scale, n, offset)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -57,6 +57,11 @@ class StreamCodec(ABC):
         channel order, or None)."""
         self.observe(kernels.query_energy(query, order, kv_heads, True), position)
 
+    def observe_chunk(self, query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, first: int) -> None:
+        """`observe` of a chunk's queries `[batch, q_heads, n, dim]` at positions `first...` (at most
+        `layers.base.ATTEND_MAX_QUERIES` of them)."""
+        self.observe(kernels.query_energy(query, order, kv_heads, False), first)
+
     @abstractmethod
     def state_names(self) -> tuple[str, ...]:
         """Attributes holding the state (tensors or `QuantizedTensor`s with the batch first)."""
@@ -161,6 +166,14 @@ def batched_growth():
 def growth_pending() -> bool:
     """Whether the open `batched_growth` has row copies still to make (a grown buffer's old rows are not there yet)."""
     return bool(_GROWTH and _GROWTH[-1])
+
+
+def settle_growth() -> None:
+    """Make now the row copies the open `batched_growth` has pending (before something reads a grown buffer's old
+    rows; one launch on a GPU)."""
+    if growth_pending():
+        kernels.copy_rows(_GROWTH[-1])
+        _GROWTH[-1].clear()
 
 
 def move_rows(grown: State, stored: State) -> None:

@@ -14,6 +14,7 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     quantize_at        cpu/encode.cpp (one token)  | triton/append.py (every format: rotate + search + pack)
     undo_rope_into     cpu undo_rope + a copy      | triton/append.py
     add_query_energy   cpu query_energy + an add   | triton/append.py
+    add_query_energies cpu query_energy + adds     | triton/append.py (a chunk's running sums, one launch)
     query_energy       cpu                         | -
     allocate_depths    cpu                         | - (inside code_groups on GPUs)
     pack_planes        cpu                         | - (inside code_groups on GPUs)
@@ -78,6 +79,7 @@ __all__ = [
     "SnapshotSchedule",
     "StreamKind",
     "StreamLayout",
+    "add_query_energies",
     "add_query_energy",
     "allocate_depths",
     "code_delta",
@@ -300,6 +302,19 @@ def add_query_energy(
     return reference.add_query_energy(query, order, kv_heads, total, query_energy)
 
 
+def add_query_energies(
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
+) -> torch.Tensor:
+    """`reference.add_query_energies` (a chunk's running sums of query energies), dispatched: one Triton launch on
+    GPUs, `query_energy` (C++ on the CPU) and the adds elsewhere. The same floats (tested)."""
+    dim = query.shape[-1]
+    if use_triton(query.device) and dim >= 2 and not dim & (dim - 1):
+        from .triton.append import add_query_energies as kernel
+
+        return kernel(query, order, kv_heads, total if total is None else total.contiguous())
+    return reference.add_query_energies(query, order, kv_heads, total, query_energy)
+
+
 def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:
     """`reference.allocate_depths` (the adaptive keys' bit allocation), dispatched: the C++ kernel on the CPU (the same
     steps, exact sums, the same depths; tested), the reference otherwise."""
@@ -398,21 +413,26 @@ def stream_attention(
     causal_offset: int,
     scale: float,
 ) -> torch.Tensor:
-    """`reference.stream_attention` (attention read straight from a cache layer's packed storage), dispatched.
+    """`reference.stream_attention` (attention read straight from a cache layer's packed storage), dispatched; `query`
+    may also be `[batch, kv_heads, group, n_queries, dim]` (transformers' queries as a view: the Triton kernels read
+    them through their strides).
 
     On the CPU the compiled C++ kernel (`cpu/stream_attention.cpp`) serves plain and delta streams in q4_0, q4_1, q8_0,
-    f16 and their 16-wide variants, rotated or not, keys and values of one width. On CUDA/ROCm, one query per head:
-    the Triton kernels `triton/adaptive_attention.py` over adaptive keys and plain values, `triton/decode_attention.py`
-    over plain keys and values (every format, rotated or not, keys before RoPE or after; sinks merged in the kernel),
-    `triton/delta_attention.py` over delta keys and plain values. Anything else goes to the chunked reference.
+    f16 and their 16-wide variants, rotated or not, keys and values of one width. On CUDA/ROCm the Triton kernels
+    `triton/adaptive_attention.py` over adaptive keys and plain values, `triton/decode_attention.py` over plain keys
+    and values (every format, rotated or not, keys before RoPE or after; sinks merged in the kernel), both for one
+    query per head or a chunk of up to 64, and `triton/delta_attention.py` over delta keys and plain values (one
+    query). Anything else goes to the chunked reference.
     """
     args = (rope, mask, n_queries, causal_offset, scale)
-    if use_triton(query.device) and n_queries == 1:
+    if use_triton(query.device):
         from .triton import stream_attention as triton_attention
 
         out = triton_attention(query, sink_keys, sink_values, keys, values, *args)
         if out is not None:
             return out
+    if query.dim() == 5:  # (the other paths read rows: a copy where transformers' layout is not theirs)
+        query = query.flatten(2, 3)
     dim, value_dim = query.shape[-1], sink_values.shape[-1]
     if value_dim == dim and dim in (32, 64, 128, 256):
         compiled = _cpu_extension(query.device)
@@ -447,8 +467,9 @@ def keep_rows(
 
 def compact_kept(kept: KeptStream, pending: torch.Tensor | None, target: KeptStream) -> None:
     """`reference.compact_kept` (an evicting cache's kept tokens, in order, into new storage), dispatched: one Triton
-    launch on GPUs for a decoding step's few pending slots, the reference otherwise. The same bytes (tested)."""
-    if use_triton(kept.keys.device) and (pending is None or pending.shape[2] <= 4):
+    launch on GPUs for a step's few pending slots (a token's or a chunk's), the reference otherwise. The same bytes
+    (tested)."""
+    if use_triton(kept.keys.device) and (pending is None or pending.shape[2] <= 64):
         from .triton.kept import compact_kept as kernel
         from .triton.kept import serves
 
@@ -468,19 +489,20 @@ def kept_attention(
     observe_from: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | Observation | None]:
     """`reference.kept_attention` (attention over an evicting cache's sinks and kept tokens, and what SnapKV observes
-    of it), dispatched: one query per head on GPUs by the Triton kernels (two launches; the observation is then the
-    kernel's `Observation`, which `snapkv_evicted` reads), the reference otherwise."""
+    of it), dispatched: on GPUs by the Triton kernels, one query per head or a chunk of up to 64 (two launches; the
+    observation is then the kernel's `Observation`, which `snapkv_evicted` reads), the reference otherwise."""
     batch, q_heads, n, dim = query.shape
     heads = kept.keys.shape[1]
-    if use_triton(query.device) and n == 1 and q_heads % heads == 0:
+    if use_triton(query.device) and q_heads % heads == 0 and (mask is None or mask.shape[1] == 1):
         from .triton.kept import kept_attention as kernel
         from .triton.kept import supports
 
-        rows = None if mask is None else mask[:, :, 0]
-        if supports(kept, rows):
-            grouped = query.reshape(batch, heads, q_heads // heads, dim)
-            out, observed = kernel(grouped, sink_keys, sink_values, kept, rows, scale, observe_from is not None)
-            return out.view(batch, q_heads, 1, dim), observed
+        rows = None if mask is None else mask[:, 0]
+        if supports(kept, rows, n):
+            grouped = query.unflatten(1, (heads, q_heads // heads))  # [B, kv heads, group, n, D]: a view
+            out, observed = kernel(grouped, sink_keys, sink_values, kept, rows, scale, observe_from, n,
+                                   query_position)  # fmt: skip
+            return out.view(batch, q_heads, n, dim), observed
     return reference.kept_attention(query, sink_keys, sink_values, kept, mask, scale, query_position, observe_from)
 
 
@@ -488,9 +510,9 @@ def snapkv_evicted(
     kept: KeptStream, observed: torch.Tensor | Observation, drop: int, recent: int, kernel: int
 ) -> torch.Tensor:
     """`reference.snapkv_evicted` (the slots SnapKV evicts), dispatched: the Triton kernel (one launch) from the
-    attention kernel's `Observation` for a decoding step's few slots, the reference otherwise. The same slots
-    (tested)."""
-    if isinstance(observed, Observation) and drop <= 4 and use_triton(observed.scores.device):
+    attention kernel's `Observation` for a step's few slots (a token's or a chunk's; more: the reference's sort), the
+    reference otherwise. The same slots (tested)."""
+    if isinstance(observed, Observation) and drop <= 64 and use_triton(observed.scores.device):
         from .triton.kept import snapkv_evicted as evicted
 
         if kept.index.stride(-1) == 1:
@@ -616,17 +638,17 @@ def latent_stream_attention(
     causal_offset: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """`reference.latent_stream_attention` (attention over a residual layer's raw and coded tokens), for one query per
-    head on GPUs: two Triton launches (`raw`: the sinks, then the window); None elsewhere (the layer's own chunked
-    path runs)."""
-    if not use_triton(query.device) or n_queries != 1 or len(raw) != 2:
+    """`reference.latent_stream_attention` (attention over a residual layer's raw and coded tokens), on GPUs: two
+    Triton launches for one query per head or a chunk of up to 64 (`raw`: the sinks, then the window); None elsewhere
+    (the layer's own chunked path runs)."""
+    if not use_triton(query.device) or len(raw) != 2:
         return None
     from .triton.residual import latent_stream_attention as kernel
     from .triton.residual import supports
 
-    if not supports(query, stream, raw, mask):
+    if not supports(query, stream, raw, mask, n_queries):
         return None
-    return kernel(query, raw, stream, coder, rope, order, coded_column, mask, scale)
+    return kernel(query, raw, stream, coder, rope, order, coded_column, mask, scale, n_queries, causal_offset)
 
 
 def _rope_arguments(rope: RopeAngles | None, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

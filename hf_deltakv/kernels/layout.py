@@ -165,14 +165,17 @@ class KeptStream:
 
 @dataclass(frozen=True)
 class Observation:
-    """What SnapKV observes of a decoding step, as the attention kernel leaves it: each query head's scaled scores on
-    each slot (fp32 `[batch * heads, group_pad, slots]`, -inf where not attended) and its softmax's final max and sum
-    over the sinks and the slots (fp32 `[batch * heads, group_pad]`); rows past `group` are padding."""
+    """What SnapKV observes of a forward's attention, as the attention kernel leaves it: each query row's scaled
+    scores on each slot (fp32 `[batch * heads, rows_pad, slots]`, -inf where not attended) and its softmax's final max
+    and sum over the sinks and the slots (fp32 `[batch * heads, rows_pad]`). Row `g * n_queries + i` is query `i` of
+    the kv head's `g`-th query head; rows from `rows` on are padding; queries before `observe_from` are not observed."""
 
     scores: torch.Tensor
     maximum: torch.Tensor
     total: torch.Tensor
-    group: int
+    rows: int
+    n_queries: int = 1
+    observe_from: int = 0
 
 
 @dataclass(frozen=True)

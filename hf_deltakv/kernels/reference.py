@@ -249,6 +249,21 @@ def add_query_energy(
     return energy if total is None else total + energy
 
 
+def add_query_energies(
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None, energies=query_energy
+) -> torch.Tensor:
+    """The running sums of a few positions' query energies (a chunk), fp32 `[batch, kv_heads, n, D]`: position `j`'s
+    is `total + e_0 + ... + e_j`, added in order (`total` None: from zero), `e_j` the pair energies of query `j`
+    (`query_energy(query, order, kv_heads, one_position=False)`, or a kernel of its signature as `energies`)."""
+    energy = energies(query, order, kv_heads, False)
+    running = torch.zeros_like(energy[:, :, 0]) if total is None else total
+    sums = []
+    for j in range(energy.shape[2]):
+        running = running + energy[:, :, j]
+        sums.append(running)
+    return torch.stack(sums, dim=2)
+
+
 WATER_LEVEL_STEPS = 40  # bisection steps of `allocate_depths` (the kernels take it from here)
 
 
@@ -717,13 +732,14 @@ def _kept_allowed(mask, positions: torch.Tensor, query_position: int, start: int
 
 
 def observed_importance(observation: Observation, kept: KeptStream) -> torch.Tensor:
-    """SnapKV's observation of one query per head (`Observation`: the attention kernel's scores and softmax
-    statistics, over the slots of `kept` from `kept.first` on) as `kept_attention` returns it: fp32
-    `[batch, heads, slots]`."""
+    """SnapKV's observation (`Observation`: the attention kernel's scores and softmax statistics of each query row,
+    over the slots of `kept` from `kept.first` on) as `kept_attention` returns it, the observed queries' rows summed:
+    fp32 `[batch, heads, slots]`."""
     heads, first = kept.index.shape[1], kept.first
-    scores = observation.scores[:, : observation.group, first:]
-    maximum = observation.maximum[:, : observation.group, None]
-    total = observation.total[:, : observation.group, None]
+    rows = [r for r in range(observation.rows) if r % observation.n_queries >= observation.observe_from]
+    scores = observation.scores[:, rows, first:]  # the observed queries' rows
+    maximum = observation.maximum[:, rows, None]
+    total = observation.total[:, rows, None]
     safe = torch.where(maximum == float("-inf"), torch.zeros_like(maximum), maximum)
     weights = torch.where(total > 0, torch.exp(scores - safe) / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     return torch.nn.functional.pad(weights.sum(1), (first, 0)).view(-1, heads, kept.slots)

@@ -95,8 +95,10 @@ class CompressedLayer(StreamLayer):
         first = self.cumulative_length - positions
         if positions == 1:  # a decoding step: one kernel adds the queries' energies to the running sum
             self.key_codec.observe_one(query, order, self.kv_heads, first)
-            return
-        self.key_codec.observe(kernels.query_energy(query, order, self.kv_heads, False), first)
+        elif positions <= self.attend_max_queries:  # a chunk: one kernel, each position's running sum
+            self.key_codec.observe_chunk(query, order, self.kv_heads, first)
+        else:
+            self.key_codec.observe(kernels.query_energy(query, order, self.kv_heads, False), first)
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Through `kernels.stream_attention`: the fused kernel where one applies, else the chunked reference."""
@@ -116,7 +118,7 @@ class CompressedLayer(StreamLayer):
             rope = self._rope_angles(self._stream_begin(), self.cumulative_length)
             query, sink_keys = self.rope.to_canonical(query), self.rope.to_canonical(sink_keys)
         out = kernels.stream_attention(
-            query.reshape(batch, self.kv_heads, group * n, dim),
+            query.unflatten(1, (self.kv_heads, group)),  # [B, kv heads, group, n, D]: a view, read through its strides
             sink_keys,
             sink_values,
             self.key_codec.layout(),

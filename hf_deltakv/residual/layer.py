@@ -90,6 +90,7 @@ class ResidualLayer(StreamLayer):
         self.window_keys, self.window_values = (t[:, :, at - self._window_length() : at + n] for t in buffers)
         overflow = self.window_keys.shape[2] - self.layout.window
         if overflow >= CODE_BATCH or (overflow > 0 and n > 1):
+            storage.settle_growth()  # (the window's tokens moved into a grown buffer are read now)
             self._compress(overflow)
             self._rebuffer_window()
 
@@ -264,7 +265,7 @@ class ResidualLayer(StreamLayer):
             order = self.rope.on(self.device)[1]
         coder = latent_coder(self.compressor, tuple(self.bits))
         stream = LatentStream(self.codes, self.scales, tuple(self.bits))
-        grouped = query.reshape(batch, self.kv_heads, q_heads // self.kv_heads * n, dim)
+        grouped = query.unflatten(1, (self.kv_heads, q_heads // self.kv_heads))  # [B, kv heads, group, n, D]: a view
         out = kernels.latent_stream_attention(grouped, raw, stream, coder, rope, order, first,
                                               None if mask is None else mask[:, 0], n,
                                               self.cumulative_length - self._first_stored() - n, scale)  # fmt: skip

@@ -43,25 +43,29 @@ def stream_attention(
     causal_offset: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """`reference.stream_attention` for one query per head through the Triton kernel that reads these streams (the
-    adaptive, plain and KIVI-style streams' kernels merge the sink tokens themselves; the delta streams' are merged
-    by the reference's online softmax); None when no kernel reads them."""
-    if n_queries != 1 or not isinstance(values, PlainStream):
+    """`reference.stream_attention` through the Triton kernel that reads these streams (the adaptive, plain and
+    KIVI-style streams' kernels take up to `common.MAX_QUERIES` queries per head and merge the sink tokens themselves;
+    the delta streams' kernel one query, its sinks merged by the reference's online softmax); None when no kernel reads
+    them."""
+    if not isinstance(values, PlainStream):
         return None
     if isinstance(keys, AdaptiveStream):
         from .adaptive_attention import adaptive_attention, supports
 
-        if not supports(keys, values, mask):
+        if not supports(keys, values, mask, n_queries):
             return None
-        return adaptive_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale)
+        return adaptive_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, n_queries,
+                                  causal_offset)  # fmt: skip
     if isinstance(keys, (PlainStream, ChannelStream)):
         from .decode_attention import plain_attention, supports
 
-        if not supports(keys, values, mask):
+        if not supports(keys, values, mask, n_queries):
             return None
-        return plain_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale)
-    if not isinstance(keys, DeltaStream):
+        return plain_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, None, n_queries,
+                               causal_offset)  # fmt: skip
+    if n_queries != 1 or not isinstance(keys, DeltaStream):
         return None
+    query = query.flatten(2, 3) if query.dim() == 5 else query
     from .delta_attention import delta_attention, supports
 
     if not supports(keys, values):

@@ -27,7 +27,21 @@ from ...quant import QuantizedTensor
 from ...quant.bitplanes import MAX_BITS
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, PlainStream, RopeAngles
-from .common import TILE_KINDS, butterflies, log2_of, query_halves, saturate_fp16, turned_cos_sin
+from .common import (
+    TILE_KINDS,
+    Rows,
+    butterflies,
+    log2_of,
+    mask_strides,
+    query_halves,
+    query_rows,
+    query_rows_at,
+    query_strides,
+    rows_of,
+    saturate_fp16,
+    turned_cos_sin,
+    visible,
+)
 
 WORDS = {8: tl.uint8, 16: tl.uint16, 32: tl.uint32, 64: tl.uint64}  # a plane of a group of this many tokens
 TILE_TOKENS = 16  # tokens decoded and scored at a time (head_dim 256: half): what keeps the tiles in registers
@@ -95,15 +109,15 @@ def _fold(scores, v_a, v_b, m_i, l_i, acc_a, acc_b, DOT: tl.constexpr):
 @triton.jit
 def _attend(
     q_lo, q_hi, k_lo, k_hi, token, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
-    pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smt,
+    pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smq, smt, g, causal_offset,
     T: tl.constexpr, D: tl.constexpr, V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr,
-    ROPE: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr,
+    ROPE: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, NQ: tl.constexpr,
 ):  # fmt: skip
-    """A tile's keys (`[T, D/2]` halves, canonical, before RoPE) scored and folded with its values; `step_cos`,
-    `step_sin`: of `j * freq` for the tile's slots j."""
-    if MASK:
-        visible = tl.load(mask_ptr + b * smb + (sinks + token) * smt, mask=valid, other=0)
-        valid = valid & (visible != 0)
+    """A tile's keys (`[T, D/2]` halves, canonical, before RoPE) scored by query rows `g` and folded with its values;
+    `step_cos`, `step_sin`: of `j * freq` for the tile's slots j."""
+    if MASK and NQ == 1:
+        seen = tl.load(mask_ptr + b * smb + (sinks + token) * smt, mask=valid, other=0)
+        valid = valid & (seen != 0)
     if ROPE:
         slot = tl.arange(0, T)
         pos = tl.load(pos_ptr + b * sxb + token * sxt, mask=valid, other=0)
@@ -115,7 +129,11 @@ def _attend(
             cos, sin = turned_cos_sin(pos[:, None], freqs[None, :])
         k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
     scores = _product(q_lo, tl.trans(k_lo), DOT) + _product(q_hi, tl.trans(k_hi), DOT)
-    scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+    if NQ == 1:
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+    else:  # several queries (a chunk): each row's mask row, or its causal limit
+        seen = visible(valid, sinks + token, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
+        scores = tl.where(seen, scores * scale, float("-inf"))
     v_a, v_b = _value_halves(head_codes, head_scales, head_mins, token, valid, T, D, V_BLOCK, V_BITS, V_ASYM)
     return _fold(scores, v_a, v_b, m_i, l_i, acc_a, acc_b, DOT)
 
@@ -124,19 +142,20 @@ def _attend(
 def _adaptive_split_kernel(
     q_ptr, planes_ptr, depths_ptr, low_ptr, step_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr,
     o_ptr, m_ptr, l_ptr,
-    kv_heads, n_coded, length, pad, sinks, units_per_split, scale,
-    sqb, sqh, sqg, spb, sph, spg, sdb, sdh, sdg, slb, slh, slg, ssb, ssh, ssg, sxb, sxt, svb, svh, swb, swh, smb, smt,
+    kv_heads, n_coded, length, pad, sinks, units_per_split, scale, causal_offset,
+    sqb, sqh, sqg, sqi, spb, sph, spg, sdb, sdh, sdg, slb, slh, slg, ssb, ssh, ssg, sxb, sxt, svb, svh, swb, swh, smb,
+    smq, smt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     WORD: tl.constexpr, V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr,
-    MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr,
+    MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr, NQ: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     n_splits = tl.num_programs(1)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
-    g = tl.arange(0, G_PAD)
-    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, c, c + half, GROUP, G_PAD)
+    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
+    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, c, c + half, g, GROUP, NQ)
     freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
     step_cos, step_sin = turned_cos_sin(tl.arange(0, T)[:, None], freqs[None, :])  # of j * freq, a tile's slots j
     words = planes_ptr.to(tl.pointer_type(WORD)) + b * spb + h * sph  # (strides in words)
@@ -174,10 +193,10 @@ def _adaptive_split_kernel(
             k_hi = saturate_fp16(k_hi).to(tl.float16).to(tl.float32)
             m_i, l_i, acc_a, acc_b = _attend(
                 q_lo, q_hi, k_lo, k_hi, token, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
-                pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smt,
-                T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK, DOT,
+                pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smq, smt, g,
+                causal_offset, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK, DOT, NQ,
             )  # fmt: skip
-    out = (bh * n_splits + split) * G_PAD + g
+    out = (bh * n_splits + split) * (tl.num_programs(2) * G_PAD) + g
     channel = (c // (V_BLOCK // 2)) * V_BLOCK + c % (V_BLOCK // 2)  # the halves' columns (see _value_halves)
     tl.store(o_ptr + out[:, None] * D + channel[None, :], acc_a)
     tl.store(o_ptr + out[:, None] * D + V_BLOCK // 2 + channel[None, :], acc_b)
@@ -189,16 +208,18 @@ def _adaptive_split_kernel(
 def _adaptive_merge_kernel(
     q_ptr, sk_ptr, sv_ptr, tail_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
     out_ptr, stats_ptr,
-    kv_heads, n_splits, sinks, coded, tail_tokens, scale,
-    sqb, sqh, sqg, skb, skh, skt, svb, svh, svt, stb, sth, stt, sxb, sxt, scb, sch, swb, swh, smb, smt,
+    kv_heads, n_splits, sinks, coded, tail_tokens, scale, causal_offset,
+    sqb, sqh, sqg, sqi, skb, skh, skt, svb, svh, svt, stb, sth, stt, sxb, sxt, scb, sch, swb, swh, smb, smq, smt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
     STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr, STATS: tl.constexpr,
+    NQ: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
-    g = tl.arange(0, G_PAD)
+    g = tl.program_id(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernels)
+    r_pad = tl.num_programs(1) * G_PAD
     c = tl.arange(0, half)
     e = tl.arange(0, D)
     channel = (c // (V_BLOCK // 2)) * V_BLOCK + c % (V_BLOCK // 2)  # the value halves' columns (_value_halves)
@@ -207,7 +228,7 @@ def _adaptive_merge_kernel(
     acc_a = tl.zeros((G_PAD, half), tl.float32)
     acc_b = tl.zeros((G_PAD, half), tl.float32)
     for s in range(n_splits):  # the splits, by log-sum-exp
-        at = (bh * n_splits + s) * G_PAD + g
+        at = (bh * n_splits + s) * r_pad + g
         m_s, l_s = tl.load(m_ptr + at), tl.load(l_ptr + at)
         m_new = tl.maximum(m_i, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -218,8 +239,8 @@ def _adaptive_merge_kernel(
             acc_b * mine[:, None] + tl.load(o_ptr + at[:, None] * D + V_BLOCK // 2 + channel[None, :]) * theirs[:, None]
         )
         m_i = m_new
-    rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
-    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, c, c + half, GROUP, G_PAD)
+    rows = query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ)
+    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, c, c + half, g, GROUP, NQ)
     if TAIL:  # the raw tail after the coded groups (values still rotated, like the splits'), T at a time
         freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
         step_cos, step_sin = turned_cos_sin(tl.arange(0, T)[:, None], freqs[None, :])
@@ -232,7 +253,8 @@ def _adaptive_merge_kernel(
             m_i, l_i, acc_a, acc_b = _attend(
                 q_lo, q_hi, k_lo, k_hi, coded + slot, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
                 pos_ptr, mask_ptr, vc_ptr + b * scb + h * sch, vs_ptr + b * swb + h * swh, vm_ptr + b * swb + h * swh,
-                sinks, scale, sxb, sxt, smb, smt, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK, DOT,
+                sinks, scale, sxb, sxt, smb, smq, smt, g, causal_offset, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK,
+                DOT, NQ,
             )  # fmt: skip
     # the halves back in channel order: [G, blocks, half block] pairs joined, then the values' rotation undone
     nb: tl.constexpr = D // V_BLOCK
@@ -246,7 +268,11 @@ def _adaptive_merge_kernel(
         key = tl.load(sk_ptr + b * skb + h * skh + j * skt + e).to(tl.float32)
         value = tl.load(sv_ptr + b * svb + h * svh + j * svt + e).to(tl.float32)
         score = tl.sum(q * key[None, :], axis=1) * scale
-        if MASK:
+        if NQ > 1:  # each query row's mask row, or its causal limit (sink j is column j)
+            column = tl.full((1,), j, tl.int32)
+            seen = visible(column == column, column, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
+            score = tl.where(tl.reshape(seen, (G_PAD,)), score, float("-inf"))
+        elif MASK:
             score = tl.where(tl.load(mask_ptr + b * smb + j * smt) != 0, score, float("-inf"))
         m_new = tl.maximum(m_i, score)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -256,18 +282,18 @@ def _adaptive_merge_kernel(
         m_i = m_new
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # OnlineSoftmax.result: nothing seen gives zeros
     tl.store(out_ptr + (bh * GROUP + g[:, None]) * D + e[None, :], out, mask=(g < GROUP)[:, None])
-    if STATS:  # the softmax's final max and sum (`layout.Observation`)
-        tl.store(stats_ptr + bh * G_PAD + g, m_i)
-        tl.store(stats_ptr + (tl.num_programs(0) + bh) * G_PAD + g, l_i)
+    if STATS:  # the softmax's final max and sum of each row (`layout.Observation`)
+        tl.store(stats_ptr + bh * r_pad + g, m_i)
+        tl.store(stats_ptr + (tl.num_programs(0) + bh) * r_pad + g, l_i)
 
 
-def supports(keys: AdaptiveStream, values: PlainStream, mask: torch.Tensor | None) -> bool:
+def supports(keys: AdaptiveStream, values: PlainStream, mask: torch.Tensor | None, n_queries: int = 1) -> bool:
     """Adaptive keys and plain block-quantized values (q4_0, q4_1, q8_0 families) of one power-of-two width, groups
-    of 8-64 tokens, the rows of their storage contiguous past the sequence dimension; a mask of one query row."""
+    of 8-64 tokens, the rows of their storage contiguous past the sequence dimension; a mask of a row per query."""
     dim, fmt = keys.dim, values.blocks.fmt
     if dim != values.dim or dim < 16 or dim & (dim - 1) or fmt.kind not in TILE_KINDS or dim % fmt.block_size:
         return False
-    if keys.group not in WORDS or (mask is not None and mask.shape[1] != 1):
+    if keys.group not in WORDS or not rows_of(mask, n_queries):
         return False
     stored = [keys.tail, values.blocks.codes, values.blocks.scales]
     if keys.planes is not None:
@@ -284,27 +310,34 @@ def adaptive_attention(
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     scale: float,
+    n_queries: int = 1,
+    causal_offset: int = 0,
 ) -> torch.Tensor:
-    """`reference.stream_attention` with one query per head (see `supports`): fp32 `[batch, kv_heads, group, dim]`.
+    """`reference.stream_attention` (see `supports`): fp32 `[batch, kv_heads, rows, dim]`.
 
     Args:
-        query: `[batch, kv_heads, group, dim]` (any float dtype and strides, canonical channel order).
+        query: `[batch, kv_heads, rows, dim]` (any float dtype and strides, canonical channel order): row
+            `g * n_queries + i` is query `i` of the kv head's `g`-th query head; or `[batch, kv_heads, group,
+            n_queries, dim]`.
         sink_keys, sink_values: `[batch, kv_heads, sinks, dim]`.
         rope: positions `[batch, stream tokens]` and float64 frequencies on the queries' device, or None.
-        mask: bool `[batch, 1, sinks + stream tokens]` or None.
+        mask: bool `[batch, n_queries, sinks + stream tokens]` or None: causal, query `i` sees tokens up to
+            `causal_offset + i` (sinks counted).
     """
-    batch, kv_heads, group, dim = query.shape
+    strides, group = query_strides(query, n_queries)
+    batch, kv_heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     device = query.device
     tile = min(keys.group, TILE_TOKENS if dim <= 128 else TILE_TOKENS // 2)
     dot = False  # (matrix instructions, which need 16 query rows, took more registers in the AOT compile)
-    g_pad = max(triton.next_power_of_2(group), 16 if dot else 1)
+    rows = query_rows(group, n_queries, causal_offset)
+    g_pad, blocks = rows.block, rows.blocks
     n_coded = 0 if keys.planes is None else keys.planes.shape[2]
     coded = n_coded * keys.group - keys.offset if n_coded else 0
     splits = min(MAX_SPLITS, triton.cdiv(keys.length, TOKENS_PER_SPLIT), n_coded)  # none without coded groups
     per_split = triton.cdiv(n_coded, splits) if splits else 0
     splits = triton.cdiv(n_coded, per_split) if splits else 0
-    o = torch.empty(batch * kv_heads, splits, g_pad, dim, dtype=torch.float32, device=device)
-    m = torch.empty(batch * kv_heads, splits, g_pad, dtype=torch.float32, device=device)
+    o = torch.empty(batch * kv_heads, splits, blocks * g_pad, dim, dtype=torch.float32, device=device)
+    m = torch.empty(batch * kv_heads, splits, blocks * g_pad, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)
     v: QuantizedTensor = values.blocks
     v_codes = v.codes.view(torch.int8) if v.fmt.bits == 8 else v.codes
@@ -312,23 +345,22 @@ def adaptive_attention(
     positions = rope.positions if rope is not None else keys.tail
     freqs = rope.freqs if rope is not None else keys.tail
     mask_rows = mask if mask is not None else keys.tail
-    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
     if splits:
         word_bytes = keys.group // 8
         plane_strides = [s // word_bytes for s in keys.planes.stride()[:3]]  # in words (a plane is one)
-        _adaptive_split_kernel[(batch * kv_heads, splits)](
+        _adaptive_split_kernel[(batch * kv_heads, splits, blocks)](
             query, keys.planes, keys.bits, keys.low, keys.step, positions, freqs, v_codes, v.scales, v_mins,
             mask_rows, o, m, l_sum,
-            kv_heads, n_coded, keys.length, keys.offset, sink_keys.shape[2], per_split, float(scale),
-            *query.stride()[:3], *plane_strides, *keys.bits.stride()[:3], *keys.low.stride()[:3],
+            kv_heads, n_coded, keys.length, keys.offset, sink_keys.shape[2], per_split, float(scale), causal_offset,
+            *strides, *plane_strides, *keys.bits.stride()[:3], *keys.low.stride()[:3],
             *keys.step.stride()[:3], positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1),
-            v.scales.stride(0), v.scales.stride(1), *mask_strides,
+            v.scales.stride(0), v.scales.stride(1), *mask_strides(mask),
             GROUP=group, G_PAD=g_pad, D=dim, GS=keys.group, T=tile, WORD=WORDS[keys.group], V_BLOCK=v.fmt.block_size,
             V_BITS=v.fmt.bits, V_ASYM=v.mins is not None, ROPE=rope is not None, MASK=mask is not None,
-            MOST=MAX_BITS, DOT=dot, num_warps=4 if dim < 128 else 8,
+            MOST=MAX_BITS, DOT=dot, NQ=n_queries, num_warps=4 if dim < 128 else 8,
         )  # fmt: skip
     tail = Tail(keys.tail, coded, positions, freqs, v, keys.group, tile, rope is not None)
-    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, g_pad, tail, dot)
+    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, rows, tail, dot)
 
 
 @dataclass(frozen=True)
@@ -354,19 +386,20 @@ def merge_splits(
     mask: torch.Tensor | None,
     scale: float,
     rotation: int,
-    g_pad: int,
+    rows: Rows,
     tail: Tail | None = None,
     dot: bool = False,
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`_adaptive_merge_kernel`: the splits' statistics `partials` (`o [rows, splits, g_pad, dim]` in channel order,
-    values rotated by `rotation`; `m`, `l [rows, splits, g_pad]`), the raw `tail` if any and the sinks merged into the
-    normalised fp32 output `[batch, kv_heads, group, dim]`; with `stats` (fp32 `[2, rows, g_pad]`), the softmax's
+    """`_adaptive_merge_kernel`: the splits' statistics `partials` (`o [batch * kv_heads, splits, rows, dim]` in
+    channel order, values rotated by `rotation`; `m`, `l [batch * kv_heads, splits, rows]`; the query rows laid out
+    as `rows` says), the raw `tail` if any and the sinks merged into the normalised fp32 output
+    `[batch, kv_heads, rows, dim]`; with `stats` (fp32 `[2, batch * kv_heads, padded rows]`), each row's softmax's
     final max and sum written there too."""
-    batch, kv_heads, group, dim = query.shape
+    strides, group = query_strides(query, rows.n_queries)
+    batch, kv_heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     o, m, l_sum = partials
     mask_rows = mask if mask is not None else query
-    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
     if tail is None:  # nothing read but the splits and the sinks (stand-ins for the tail's tensors)
         tokens, coded, positions, freqs, rope, gs, tile = query[:, :, :0], 0, query, query, False, dim, dim
         v_codes = v_scales = v_mins = query
@@ -379,15 +412,16 @@ def merge_splits(
         v_scales, v_mins = v.scales, v.mins if v.mins is not None else v.scales
         v_block, v_bits, v_asym = v.fmt.block_size, v.fmt.bits, v.mins is not None
     out = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device=query.device)
-    _adaptive_merge_kernel[(batch * kv_heads,)](
+    _adaptive_merge_kernel[(batch * kv_heads, rows.blocks)](
         query, sink_keys, sink_values, tokens, positions, freqs, v_codes, v_scales, v_mins, mask_rows,
         o, m, l_sum, out, stats if stats is not None else out,
-        kv_heads, o.shape[1], sink_keys.shape[2], coded, tokens.shape[2], float(scale),
-        *query.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3], *tokens.stride()[:3],
+        kv_heads, o.shape[1], sink_keys.shape[2], coded, tokens.shape[2], float(scale), rows.causal_offset,
+        *strides, *sink_keys.stride()[:3], *sink_values.stride()[:3], *tokens.stride()[:3],
         positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1), v_scales.stride(0),
-        v_scales.stride(1), *mask_strides,
-        GROUP=group, G_PAD=g_pad, D=dim, GS=gs, T=tile, V_BLOCK=v_block, V_BITS=v_bits, V_ASYM=v_asym, ROPE=rope,
-        MASK=mask is not None, STAGES=log2_of(rotation), ROT_SCALE=rotation_scale(rotation) if rotation else 1.0,
-        DOT=dot, TAIL=tokens.shape[2] > 0, STATS=stats is not None, num_warps=4 if dim < 256 else 8,
+        v_scales.stride(1), *mask_strides(mask),
+        GROUP=group, G_PAD=rows.block, D=dim, GS=gs, T=tile, V_BLOCK=v_block, V_BITS=v_bits, V_ASYM=v_asym,
+        ROPE=rope, MASK=mask is not None, STAGES=log2_of(rotation),
+        ROT_SCALE=rotation_scale(rotation) if rotation else 1.0, DOT=dot, TAIL=tokens.shape[2] > 0,
+        STATS=stats is not None, NQ=rows.n_queries, num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out

@@ -6,7 +6,8 @@
   q4_1, q8_0, q3_0, f16 and the 16-wide variants; the symmetric ones with the searched scale when asked).
   Specification: `reference.quantize_at` (the same bytes).
 - `add_query_energy`: the queries' pair energies averaged per kv head, added to the encoder's running sum (a new
-  tensor). Specification: `reference.add_query_energy` (the same floats).
+  tensor). Specification: `reference.add_query_energy` (the same floats). `add_query_energies`: the same for a few
+  positions (a chunk), each one's running sum. Specification: `reference.add_query_energies` (the same floats).
 
 A program handles a tile of up to `ROWS_MOST` tokens of a head (one on a decoding step; a prefill's rows in
 tiles), or a kv head's queries; inputs are read in their own dtype and strides, so nothing is converted or copied
@@ -267,5 +268,58 @@ def add_query_energy(
         grouped, order if order is not None else grouped, total if total is not None else out, out,
         kv_heads, *grouped.stride(),
         GROUP=grouped.shape[2], D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _query_energies_kernel(
+    q_ptr, order_ptr, total_ptr, out_ptr,
+    kv_heads, n, sqb, sqh, sqg, sqn, sqd,
+    GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b, h = bh // kv_heads, bh % kv_heads
+    half: tl.constexpr = D // 2
+    c = tl.arange(0, half)
+    if ORDER:
+        lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
+    else:
+        lo_at, hi_at = c, c + half
+    lower = tl.zeros((half,), tl.float32)  # (0 + e == e exactly: the reference's first sum without a total)
+    upper = tl.zeros((half,), tl.float32)
+    if TOTAL:
+        lower = tl.load(total_ptr + bh * D + c)
+        upper = tl.load(total_ptr + bh * D + half + c)
+    for j in range(n):  # the positions in order, each one's mean over the query heads added to the running sum
+        energy = tl.zeros((half,), tl.float32)
+        for g in tl.static_range(GROUP):  # added in order, as the reference adds its heads
+            row = q_ptr + b * sqb + h * sqh + g * sqg + j * sqn
+            lo = tl.load(row + lo_at * sqd).to(tl.float32)
+            hi = tl.load(row + hi_at * sqd).to(tl.float32)
+            pair = (lo * lo + hi * hi) * 0.5
+            if g == 0:
+                energy = pair
+            else:
+                energy = energy + pair
+        energy = tl.math.div_rn(energy, tl.full((half,), GROUP, tl.float32))
+        lower = lower + energy
+        upper = upper + energy
+        tl.store(out_ptr + (bh * n + j) * D + c, lower)
+        tl.store(out_ptr + (bh * n + j) * D + half + c, upper)
+
+
+def add_query_energies(
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
+) -> torch.Tensor:
+    """`reference.add_query_energies` (see there) in one launch; `query` `[batch, q_heads, n, dim]` (any strides),
+    `order` on its device, `total` contiguous."""
+    batch, heads, n, dim = query.shape
+    grouped = query.unflatten(1, (kv_heads, heads // kv_heads))  # [B, kv heads, group, n, D]: a view
+    out = torch.empty(batch, kv_heads, n, dim, dtype=torch.float32, device=query.device)
+    _query_energies_kernel[(batch * kv_heads,)](
+        grouped, order if order is not None else grouped, total if total is not None else out, out,
+        kv_heads, n, *grouped.stride(),
+        GROUP=heads // kv_heads, D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
     )  # fmt: skip
     return out

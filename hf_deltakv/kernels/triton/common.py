@@ -4,6 +4,9 @@ and order (kernels whose results are held to the reference's bytes launch with `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
@@ -14,6 +17,49 @@ FP16_MAX = tl.constexpr(FP16_MAX_VALUE)
 TILE_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # the block arithmetic every attention kernel decodes values in
 # Launch options of kernels held to a reference's floats: no fused multiply-add where the reference rounds twice.
 EXACT = {"enable_fp_fusion": False}
+ROW_BLOCK = 16  # query rows a program holds when a forward has several queries (a chunk): blocks of rows, grid axis 2
+MAX_QUERIES = 64  # queries per kv head the attention kernels read together (more: a prefill, which decodes the history)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A forward's query rows of a kv head as the split and merge kernels take them: `n_queries` per query head (row
+    `g * n_queries + i` is query `i` of head `g`, which sees tokens up to `causal_offset + i` without a mask), in
+    `blocks` blocks of `block` rows (grid axis 2 of the splits, 1 of the merge)."""
+
+    n_queries: int
+    causal_offset: int
+    block: int
+    blocks: int
+
+
+def query_rows(rows: int, n_queries: int = 1, causal_offset: int = 0) -> Rows:
+    """The layout of `rows` query rows (query heads × queries): padded to a power of two in one block for one query,
+    in blocks of at least `ROW_BLOCK` (and a query's heads) for several."""
+    padded = max(triton.next_power_of_2(rows), 1)
+    block = padded if n_queries == 1 else min(padded, max(ROW_BLOCK, triton.next_power_of_2(rows // n_queries)))
+    return Rows(n_queries, causal_offset, block, triton.cdiv(rows, block))
+
+
+def rows_of(mask: torch.Tensor | None, n_queries: int) -> bool:
+    """Whether the kernels read these queries: at most `MAX_QUERIES`, and `mask` (bool `[batch, queries, columns]`) or
+    None with a row per query."""
+    return 1 <= n_queries <= MAX_QUERIES and (mask is None or mask.shape[1] == n_queries)
+
+
+def query_strides(query: torch.Tensor, n_queries: int = 1) -> tuple[tuple[int, int, int, int], int]:
+    """((batch, kv head, query head, query) strides, rows) of the queries the attention kernels read: `[batch,
+    kv_heads, group, n_queries, dim]` (transformers' queries as a view, whatever their layout) or `[batch, kv_heads,
+    rows, dim]` (row `g * n_queries + i`, rows contiguous); the channels contiguous either way."""
+    if query.dim() == 5:
+        return tuple(query.stride()[:4]), query.shape[2] * query.shape[3]
+    row = query.stride(2)
+    return (query.stride(0), query.stride(1), row * n_queries, row), query.shape[2]
+
+
+def mask_strides(mask: torch.Tensor | None) -> tuple[int, int, int]:
+    """(batch, query, column) strides of a mask `[batch, queries, columns]` (zeros without one)."""
+    return (mask.stride(0), mask.stride(1), mask.stride(2)) if mask is not None else (0, 0, 0)
 
 
 def log2_of(block: int) -> int:
@@ -91,11 +137,30 @@ def to_dtype(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def query_halves(q_ptr, b, h, sqb, sqh, sqg, lo_at, hi_at, GROUP: tl.constexpr, G_PAD: tl.constexpr):
-    """fp32 `[G_PAD, D/2]` pair halves of the queries of kv head `h` (its `GROUP` query heads: rows past them zeros),
-    channels `lo_at` and `hi_at` of each row (`c` and `c + D/2`, or a canonical order's)."""
-    g = tl.arange(0, G_PAD)
-    rows = q_ptr + b * sqb + h * sqh + g[:, None] * sqg
+def query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ: tl.constexpr):
+    """Pointers `[len(g), 1]` to query rows `g` of kv head `h`: row `g` is query `g % NQ` of the kv head's query head
+    `g // NQ` (`query_strides`)."""
+    return q_ptr + b * sqb + h * sqh + ((g // NQ) * sqg + (g % NQ) * sqi)[:, None]
+
+
+@triton.jit
+def query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, lo_at, hi_at, g, GROUP: tl.constexpr, NQ: tl.constexpr):
+    """fp32 `[len(g), D/2]` pair halves of query rows `g` of kv head `h` (of its `GROUP` rows: rows past them read
+    zeros), channels `lo_at` and `hi_at` of each row (`c` and `c + D/2`, or a canonical order's)."""
+    rows = query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ)
     live = (g < GROUP)[:, None]
     lo = tl.load(rows + lo_at[None, :], mask=live, other=0.0).to(tl.float32)
     return lo, tl.load(rows + hi_at[None, :], mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def visible(valid, column, query, b, mask_ptr, smb, smq, smt, causal_offset, MASK: tl.constexpr):
+    """bool `[len(query), T]`: which of a tile's keys (mask columns `column`, `valid` `[T]`) each query row sees, row
+    `r` being the forward's query `query[r]`: its row of the mask (`[batch, queries, columns]`), or, without one,
+    every column up to its position (`causal_offset + query`: `reference.stream_attention`'s causal rule)."""
+    if MASK:
+        rows = mask_ptr + b * smb + query[:, None] * smq + column[None, :] * smt
+        seen = tl.load(rows, mask=valid[None, :], other=0) != 0
+    else:
+        seen = column[None, :] <= causal_offset + query[:, None]
+    return valid[None, :] & seen

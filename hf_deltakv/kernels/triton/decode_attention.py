@@ -23,7 +23,19 @@ from ...quant import Kind, QuantizedTensor
 from ..hadamard import rotation_scale
 from ..layout import ChannelStream, PlainStream, RopeAngles
 from .adaptive_attention import merge_splits
-from .common import TILE_KINDS, butterflies, log2_of, saturate_fp16, turned_cos_sin
+from .common import (
+    TILE_KINDS,
+    butterflies,
+    log2_of,
+    mask_strides,
+    query_rows,
+    query_rows_at,
+    query_strides,
+    rows_of,
+    saturate_fp16,
+    turned_cos_sin,
+    visible,
+)
 
 ROW_KINDS = (*TILE_KINDS, Kind.Q3_SYM, Kind.F16)  # what `load_rows` decodes
 F16, Q4_SYM, Q4_ASYM, Q8, Q3_SYM = (tl.constexpr(int(k)) for k in (Kind.F16, Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8,
@@ -126,8 +138,9 @@ def load_queries(q_ptr, bh, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.cons
 
 @triton.jit
 def store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD: tl.constexpr, D: tl.constexpr):
-    """One split's running statistics, combined afterwards by `combine_splits`."""
-    out = (bh * n_splits + split) * G_PAD + tl.arange(0, G_PAD)
+    """One split's running statistics of its block of `G_PAD` query rows (grid axis 2: the blocks, one without it),
+    combined afterwards by `combine_splits` or the merge kernel."""
+    out = (bh * n_splits + split) * (tl.num_programs(2) * G_PAD) + tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)
     tl.store(o_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc)
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
@@ -156,20 +169,21 @@ def combine_splits(o: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor):
 def _plain_split_kernel(
     q_ptr, kc_ptr, ks_ptr, km_ptr, kt_ptr, vc_ptr, vs_ptr, vm_ptr, pos_ptr, freq_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
     idx_ptr, sc_ptr,
-    kv_heads, length, coded, sinks, tokens_per_split, scale, first,
-    sqb, sqh, sqg, skb, skh, skt, skd, ssb, ssh, sst, ssd, stb, sth, stt, svb, svh, svt, swb, swh, swt, sxb, sxt,
-    smb, smt, sib, sih,
+    kv_heads, length, coded, sinks, tokens_per_split, scale, first, causal_offset,
+    sqb, sqh, sqg, sqi, skb, skh, skt, skd, ssb, ssh, sst, ssd, stb, sth, stt, svb, svh, svt, swb, swh, swt, sxb,
+    sxt, smb, smq, smt, sib, sih,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, K_KIND: tl.constexpr,
     K_BS: tl.constexpr, K_CHANNEL: tl.constexpr, V_KIND: tl.constexpr, V_BS: tl.constexpr, K_STAGES: tl.constexpr,
     K_SCALE: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr, INDEXED: tl.constexpr, SCORES: tl.constexpr,
+    NQ: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     n_splits = tl.num_programs(1)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
-    g = tl.arange(0, G_PAD)
-    q = tl.load(q_ptr + b * sqb + h * sqh + g[:, None] * sqg + tl.arange(0, D)[None, :], mask=(g < GROUP)[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
+    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
+    q = tl.load(query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ) + tl.arange(0, D)[None, :],
+                mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)  # fmt: skip
     if K_STAGES > 0 and not ROPE:  # q . (H s) == (H q) . s: the queries turned once instead of every key
         q = butterflies(q, G_PAD, D, K_STAGES, K_SCALE)
     freqs = tl.load(freq_ptr + tl.arange(0, half)) if ROPE else tl.zeros((half,), tl.float64)
@@ -188,7 +202,7 @@ def _plain_split_kernel(
             valid = valid & (column >= 0)
         else:
             column = sinks + tok
-        if MASK:
+        if MASK and NQ == 1:
             valid = valid & (tl.load(mask_ptr + b * smb + column * smt, mask=valid, other=0) != 0)
         if K_CHANNEL:  # KIVI-style: per-channel blocks of K_BS tokens (a tile lies in one group), then the fp16 tail
             k = load_channel_rows(k_codes, k_scales, k_mins, kt_ptr + b * stb + h * sth, tok, valid, coded, skt, skd,
@@ -203,9 +217,13 @@ def _plain_split_kernel(
                                       freqs[None, :])  # fmt: skip
             k = tl.reshape(tl.permute(tl.join(lo * cos - hi * sin, hi * cos + lo * sin), (0, 2, 1)), (T, D))
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, T]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        if SCORES:  # each query head's scores, for what SnapKV observes (`Observation`)
-            at = sc_ptr + (bh * G_PAD + g[:, None]) * length + tok[None, :]
+        if NQ == 1:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+        else:  # several queries (a chunk): each row's mask row, or its causal limit
+            seen = visible(valid, column, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
+            scores = tl.where(seen, scores, float("-inf"))
+        if SCORES:  # each query row's scores, for what SnapKV observes (`Observation`)
+            at = sc_ptr + (bh * (tl.num_programs(2) * G_PAD) + g[:, None]) * length + tok[None, :]
             tl.store(at, scores, mask=(tok < end)[None, :])
         v = load_rows(v_codes, v_scales, v_mins, tok, valid, svt, swt, D, V_BS, V_KIND)
         m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
@@ -218,13 +236,14 @@ def _rows_contiguous(q: QuantizedTensor) -> bool:
     return all(t.stride(-1) == 1 for t in q.tensors()) and (codes.dim() < 5 or codes.stride(-2) == codes.shape[-1])
 
 
-def supports(keys: PlainStream | ChannelStream, values: PlainStream, mask: torch.Tensor | None) -> bool:
+def supports(keys: PlainStream | ChannelStream, values: PlainStream, mask: torch.Tensor | None, n_queries: int = 1
+             ) -> bool:  # fmt: skip
     """Plain values (a format of `ROW_KINDS`, rotated or not) and plain keys (the same, before RoPE or after) or
     KIVI-style keys (per-channel blocks of a block format, not rotated), of one power-of-two head dim of 16-256 tiled
-    by the values' (and plain keys') blocks, each token's (each channel's) storage contiguous; a mask of one query
-    row."""
+    by the values' (and plain keys') blocks, each token's (each channel's) storage contiguous; a mask of a row per
+    query."""
     dim = keys.dim
-    if dim != values.dim or dim < 16 or dim > 256 or dim & (dim - 1) or (mask is not None and mask.shape[1] != 1):
+    if dim != values.dim or dim < 16 or dim > 256 or dim & (dim - 1) or not rows_of(mask, n_queries):
         return False
     if isinstance(keys, ChannelStream):
         if keys.rotation or keys.tail.stride(-1) != 1 or keys.group % tile_tokens(dim):
@@ -268,28 +287,33 @@ def plain_attention(
     mask: torch.Tensor | None,
     scale: float,
     splits: int | None = None,
+    n_queries: int = 1,
+    causal_offset: int = 0,
 ) -> torch.Tensor:
-    """`reference.stream_attention` with one query per head over plain values and plain or KIVI-style keys (see
-    `supports`): fp32
-    `[batch, kv_heads, group, dim]`, in two launches.
+    """`reference.stream_attention` over plain values and plain or KIVI-style keys (see `supports`): fp32
+    `[batch, kv_heads, rows, dim]`, in two launches.
 
     Args:
-        query: `[batch, kv_heads, group, dim]` (any float dtype; rows contiguous; canonical order with `rope`).
+        query: `[batch, kv_heads, rows, dim]` (any float dtype; canonical order with `rope`): row `g * n_queries + i`
+            is query `i` of the kv head's `g`-th query head; or `[batch, kv_heads, group, n_queries, dim]`.
         sink_keys, sink_values: `[batch, kv_heads, sinks, dim]`.
         rope: positions `[batch, stream tokens]` and float64 frequencies on the queries' device, or None.
-        mask: bool `[batch, 1, sinks + stream tokens]` or None.
+        mask: bool `[batch, n_queries, sinks + stream tokens]` or None: causal, query `i` sees tokens up to
+            `causal_offset + i` (sinks counted).
         splits: programs per kv head (default: one per `TOKENS_PER_SPLIT` tokens, at most `MAX_SPLITS`).
     """
-    batch, kv_heads, group, dim = query.shape
+    strides, group = query_strides(query, n_queries)
+    batch, kv_heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     device = query.device
     tile = tile_tokens(dim)
-    g_pad = max(triton.next_power_of_2(group), 1)
+    rows = query_rows(group, n_queries, causal_offset)
+    g_pad, blocks = rows.block, rows.blocks
     n_tokens = keys.length
     splits = splits or max(1, min(MAX_SPLITS, triton.cdiv(n_tokens, TOKENS_PER_SPLIT)))
     per_split = triton.cdiv(triton.cdiv(n_tokens, splits), tile) * tile
     splits = max(1, triton.cdiv(n_tokens, per_split))
-    o = torch.empty(batch * kv_heads, splits, g_pad, dim, dtype=torch.float32, device=device)
-    m = torch.empty(batch * kv_heads, splits, g_pad, dtype=torch.float32, device=device)
+    o = torch.empty(batch * kv_heads, splits, blocks * g_pad, dim, dtype=torch.float32, device=device)
+    m = torch.empty(batch * kv_heads, splits, blocks * g_pad, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)
     channel = isinstance(keys, ChannelStream)
     k = keys.groups if channel else keys.blocks
@@ -314,16 +338,15 @@ def plain_attention(
     positions = rope.positions if rope is not None else query
     freqs = rope.freqs if rope is not None else query
     mask_rows = mask if mask is not None else query
-    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
-    _plain_split_kernel[(batch * kv_heads, splits)](
+    _plain_split_kernel[(batch * kv_heads, splits, blocks)](
         query, k_codes, k_scales, k_mins, k_tail, v_codes, v_scales, v_mins, positions, freqs, mask_rows, o, m, l_sum,
         query, query,
-        kv_heads, n_tokens, coded, sink_keys.shape[2], per_split, float(scale), 0,
-        *query.stride()[:3], *k_strides, *s_strides, *k_tail.stride()[:3], *v_codes.stride()[:3],
-        *v_scales.stride()[:3], positions.stride(0), positions.stride(-1), *mask_strides, 0, 0,
+        kv_heads, n_tokens, coded, sink_keys.shape[2], per_split, float(scale), 0, causal_offset,
+        *strides, *k_strides, *s_strides, *k_tail.stride()[:3], *v_codes.stride()[:3],
+        *v_scales.stride()[:3], positions.stride(0), positions.stride(-1), *mask_strides(mask), 0, 0,
         GROUP=group, G_PAD=g_pad, D=dim, T=tile, K_KIND=k_kind, K_BS=k_block, K_CHANNEL=channel,
         V_KIND=int(v.fmt.kind), V_BS=v.fmt.block_size, K_STAGES=log2_of(keys.rotation),
         K_SCALE=rotation_scale(keys.rotation) if keys.rotation else 1.0, ROPE=rope is not None,
-        MASK=mask is not None, INDEXED=False, SCORES=False, num_warps=4 if dim < 128 else 8,
+        MASK=mask is not None, INDEXED=False, SCORES=False, NQ=n_queries, num_warps=4 if dim < 128 else 8,
     )  # fmt: skip
-    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, g_pad)
+    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, rows)

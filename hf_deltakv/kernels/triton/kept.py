@@ -5,12 +5,13 @@
 - `compact_kept` (one launch, a program per kv head): the kept tokens (less the slots SnapKV just chose) copied in
   order into new storage, when the room runs out. Specification: `reference.compact_kept`.
 - `kept_attention` (two launches): `decode_attention`'s split kernel over the slots (a slot's mask column is its
-  position, evicted slots skipped; with SnapKV, each query head's scores kept), then the adaptive keys' merge, which
-  folds in the raw sinks (and, with SnapKV, writes the softmax's final max and sum). Specification:
-  `reference.kept_attention` (one query per head).
+  position, evicted slots skipped; with SnapKV, each query row's scores kept), then the adaptive keys' merge, which
+  folds in the raw sinks (and, with SnapKV, writes the softmax's final max and sum); one query per head or a chunk of
+  up to 64. Specification: `reference.kept_attention`.
 - `snapkv_evicted` (one launch, a program per kv head): the observed weights from the scores and the softmax's
-  statistics, ranked in position order (a prefix sum over the slots alive), max-pooled over `kernel` neighbours, and
-  the lowest outside the recent window chosen (the oldest among equals). Specification: `reference.snapkv_evicted`.
+  statistics (the observed queries' rows summed), ranked in position order (a prefix sum over the slots alive),
+  max-pooled over `kernel` neighbours, and the lowest outside the recent window chosen (the oldest among equals), as
+  many times as slots go. Specification: `reference.snapkv_evicted`.
 
 Nothing is gathered or copied at a decoding step but the new token: the slots stay where they are until the storage
 grows, and no value is read back to the host.
@@ -25,7 +26,7 @@ import triton.language as tl
 from ...quant import get_format
 from ..layout import KeptStream, Observation
 from .adaptive_attention import merge_splits
-from .common import saturate_fp16
+from .common import mask_strides, query_rows, query_strides, rows_of, saturate_fp16
 from .decode_attention import MAX_SPLITS, TOKENS_PER_SPLIT, _plain_split_kernel, tile_tokens
 
 RANK_TILE = 256  # slots a program of `_snapkv_evict_kernel` ranks at a time
@@ -124,13 +125,11 @@ def compact_kept(kept: KeptStream, pending: torch.Tensor | None, target: KeptStr
     )  # fmt: skip
 
 
-def supports(kept: KeptStream, mask: torch.Tensor | None) -> bool:
-    """Keys and values of one power-of-two width of 16-256, rows contiguous, the index's slots contiguous; a mask of
-    one query row."""
+def supports(kept: KeptStream, mask: torch.Tensor | None, n_queries: int = 1) -> bool:
+    """Keys and values of one power-of-two width of 16-256, rows contiguous, the index's slots contiguous; up to
+    `common.MAX_QUERIES` queries, a mask of a row each."""
     dim = kept.keys.shape[-1]
-    if dim != kept.values.shape[-1] or dim < 16 or dim > 256 or dim & (dim - 1):
-        return False
-    if mask is not None and mask.shape[1] != 1:
+    if dim != kept.values.shape[-1] or dim < 16 or dim > 256 or dim & (dim - 1) or not rows_of(mask, n_queries):
         return False
     return kept.keys.stride(-1) == kept.values.stride(-1) == kept.index.stride(-1) == 1
 
@@ -142,73 +141,80 @@ def kept_attention(
     kept: KeptStream,
     mask: torch.Tensor | None,
     scale: float,
-    observe: bool,
+    observe_from: int | None,
+    n_queries: int = 1,
+    query_position: int = 0,
 ) -> tuple[torch.Tensor, Observation | None]:
-    """`reference.kept_attention` for one query per head: fp32 `[batch, kv_heads, group, dim]` and, with `observe`,
-    SnapKV's `Observation` of it.
+    """`reference.kept_attention`: fp32 `[batch, kv_heads, rows, dim]` and, with `observe_from`, SnapKV's
+    `Observation` of it.
 
     Args:
-        query: `[batch, kv_heads, group, dim]` (rows contiguous).
-        mask: bool `[batch, 1, positions]` (a token's column is its position) or None.
+        query: `[batch, kv_heads, rows, dim]` (rows contiguous): row `g * n_queries + i` is query `i` (at position
+            `query_position + i`) of the kv head's `g`-th query head.
+        mask: bool `[batch, n_queries, positions]` (a token's column is its position), or None: causal.
     """
-    batch, kv_heads, group, dim = query.shape
+    strides, group = query_strides(query, n_queries)
+    batch, kv_heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     device = query.device
     tile = tile_tokens(dim)
-    g_pad = max(triton.next_power_of_2(group), 1)
+    rows = query_rows(group, n_queries, query_position)
     slots, first = kept.slots, kept.first
     reach = max(slots - first, 1)
     splits = max(1, min(MAX_SPLITS, triton.cdiv(reach, TOKENS_PER_SPLIT)))
     per_split = triton.cdiv(triton.cdiv(reach, splits), tile) * tile
     splits = max(1, triton.cdiv(reach, per_split))
-    o = torch.empty(batch * kv_heads, splits, g_pad, dim, dtype=torch.float32, device=device)
-    m = torch.empty(batch * kv_heads, splits, g_pad, dtype=torch.float32, device=device)
+    padded = rows.block * rows.blocks
+    o = torch.empty(batch * kv_heads, splits, padded, dim, dtype=torch.float32, device=device)
+    m = torch.empty(batch * kv_heads, splits, padded, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)
-    scores = torch.empty(batch * kv_heads, g_pad, slots, dtype=torch.float32, device=device) if observe else None
-    stats = torch.empty(2, batch * kv_heads, g_pad, dtype=torch.float32, device=device) if observe else None
+    observe = observe_from is not None
+    scores = torch.empty(batch * kv_heads, padded, slots, dtype=torch.float32, device=device) if observe else None
+    stats = torch.empty(2, batch * kv_heads, padded, dtype=torch.float32, device=device) if observe else None
     f16 = get_format("f16")
     k, v = kept.keys, kept.values
     mask_rows = mask if mask is not None else query
-    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
-    _plain_split_kernel[(batch * kv_heads, splits)](
+    _plain_split_kernel[(batch * kv_heads, splits, rows.blocks)](
         query, k, k, k, k, v, v, v, query, query, mask_rows, o, m, l_sum,
         kept.index, scores if observe else query,
-        kv_heads, slots, slots, 0, per_split, float(scale), first,
-        *query.stride()[:3], *k.stride(), 0, 0, 0, 0, 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, *mask_strides,
+        kv_heads, slots, slots, 0, per_split, float(scale), first, query_position,
+        *strides, *k.stride(), 0, 0, 0, 0, 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, *mask_strides(mask),
         *kept.index.stride()[:2],
-        GROUP=group, G_PAD=g_pad, D=dim, T=tile, K_KIND=int(f16.kind), K_BS=1, K_CHANNEL=False,
+        GROUP=group, G_PAD=rows.block, D=dim, T=tile, K_KIND=int(f16.kind), K_BS=1, K_CHANNEL=False,
         V_KIND=int(f16.kind), V_BS=1, K_STAGES=0, K_SCALE=1.0, ROPE=False, MASK=mask is not None, INDEXED=True,
-        SCORES=observe, num_warps=4 if dim < 128 else 8,
+        SCORES=observe, NQ=n_queries, num_warps=4 if dim < 128 else 8,
     )  # fmt: skip
-    out = merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, 0, g_pad, stats=stats)
+    out = merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, 0, rows, stats=stats)
     if not observe:
         return out, None
-    return out, Observation(scores, stats[0], stats[1], group)
+    return out, Observation(scores, stats[0], stats[1], group, n_queries, observe_from)
 
 
 @triton.jit
 def _snapkv_evict_kernel(
     sc_ptr, m_ptr, l_ptr, idx_ptr, weight_ptr, slot_ptr, pool_ptr, out_ptr,
-    heads, first, slots, live, candidates, drop, sib, sih,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, RADIUS: tl.constexpr, TILE: tl.constexpr,
+    heads, first, slots, live, candidates, drop, observe_from, sib, sih,
+    ROWS: tl.constexpr, R_PAD: tl.constexpr, RB: tl.constexpr, NQ: tl.constexpr, RADIUS: tl.constexpr,
+    TILE: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
-    g = tl.arange(0, G_PAD)
-    rows = g < GROUP
-    maximum = tl.load(m_ptr + bh * G_PAD + g)
-    total = tl.load(l_ptr + bh * G_PAD + g)
-    safe = tl.where(maximum == float("-inf"), 0.0, maximum)
-    seen = rows & (total > 0)
-    total = tl.where(seen, total, 1.0)
     weight_row, slot_row, pool_row = weight_ptr + bh * live, slot_ptr + bh * live, pool_ptr + bh * live
     count = 0
     for t0 in range(first, slots, TILE):  # the alive slots ranked in order, with their observed weights
         slot = t0 + tl.arange(0, TILE)
         inside = slot < slots
         alive = inside & (tl.load(idx_ptr + b * sib + h * sih + slot, mask=inside, other=-1) >= 0)
-        score = tl.load(sc_ptr + (bh * G_PAD + g[:, None]) * slots + slot[None, :], mask=seen[:, None] & alive[None, :],
-                        other=float("-inf"))  # fmt: skip
-        weight = tl.sum(tl.where(seen[:, None], tl.exp(score - safe[:, None]) / total[:, None], 0.0), axis=0)
+        weight = tl.zeros((TILE,), tl.float32)
+        for r0 in tl.static_range(0, R_PAD, RB):  # the rows of the observed queries (from `observe_from`), by blocks
+            r = r0 + tl.arange(0, RB)
+            maximum = tl.load(m_ptr + bh * R_PAD + r)
+            total = tl.load(l_ptr + bh * R_PAD + r)
+            safe = tl.where(maximum == float("-inf"), 0.0, maximum)
+            seen = (r < ROWS) & (r % NQ >= observe_from) & (total > 0)
+            total = tl.where(seen, total, 1.0)
+            score = tl.load(sc_ptr + (bh * R_PAD + r[:, None]) * slots + slot[None, :],
+                            mask=seen[:, None] & alive[None, :], other=float("-inf"))  # fmt: skip
+            weight += tl.sum(tl.where(seen[:, None], tl.exp(score - safe[:, None]) / total[:, None], 0.0), axis=0)
         rank = count + tl.cumsum(alive.to(tl.int32), axis=0) - 1
         tl.store(weight_row + rank, weight, mask=alive)
         tl.store(slot_row + rank, slot.to(tl.int64), mask=alive)
@@ -250,10 +256,11 @@ def snapkv_evicted(kept: KeptStream, observed: Observation, drop: int, recent: i
     slot = torch.empty(batch * heads, live, dtype=torch.int64, device=device)
     pooled = torch.empty(batch * heads, live, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads, drop, dtype=torch.int64, device=device)
-    g_pad = observed.scores.shape[1]
+    padded = observed.scores.shape[1]
     _snapkv_evict_kernel[(batch * heads,)](
         observed.scores, observed.maximum, observed.total, kept.index, weight, slot, pooled, out,
-        heads, kept.first, slots, live, live - recent, drop, *kept.index.stride()[:2],
-        GROUP=observed.group, G_PAD=g_pad, RADIUS=kernel // 2, TILE=RANK_TILE,
+        heads, kept.first, slots, live, live - recent, drop, observed.observe_from, *kept.index.stride()[:2],
+        ROWS=observed.rows, R_PAD=padded, RB=min(padded, 16), NQ=observed.n_queries, RADIUS=kernel // 2,
+        TILE=RANK_TILE,
     )  # fmt: skip
     return out

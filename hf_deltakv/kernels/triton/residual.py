@@ -12,7 +12,7 @@
   32 rows at a time), re-applies RoPE from the positions, scores them and folds the tile's value latents into an online
   softmax, in latent space, then applies the value decoder once to what it summed (and the mean, by the softmax's
   weight); the merge combines the splits, folds in the raw sinks and window, and normalises. Specification:
-  `reference.latent_stream_attention` (one query per head).
+  `reference.latent_stream_attention` (one query per head, or a chunk of up to 64).
 
 Group parameters (depths, byte offsets, scale columns) are compile-time tuples: a layer's depths are fixed.
 """
@@ -25,7 +25,21 @@ import triton.language as tl
 
 from ...quant.bitpack import GROUP
 from ..layout import LatentCoder, LatentStream, RopeAngles
-from .common import EXACT, FP16_MAX, query_halves, rope_cos_sin, round_half_even, saturate_fp16, turned_cos_sin
+from .common import (
+    EXACT,
+    FP16_MAX,
+    mask_strides,
+    query_halves,
+    query_rows,
+    query_rows_at,
+    query_strides,
+    rope_cos_sin,
+    round_half_even,
+    rows_of,
+    saturate_fp16,
+    turned_cos_sin,
+    visible,
+)
 
 TILE_TOKENS = 16  # coded tokens a program decodes and scores at a time
 TOKENS_PER_SPLIT = 256
@@ -232,24 +246,24 @@ def _product(a, b):
 def _latent_split_kernel(
     q_ptr, codes_ptr, scales_ptr, kdec_ptr, kmean_ptr, vdec_ptr, vmean_ptr, pos_ptr, freq_ptr, order_ptr, mask_ptr,
     o_ptr, m_ptr, l_ptr,
-    heads, length, coded_column, per_split, scale, stream_width,
-    sqb, sqh, sqg, scb, sct, ssb, sst, sxb, sxt, smb, smt,
+    heads, length, coded_column, per_split, scale, stream_width, causal_offset,
+    sqb, sqh, sqg, sqi, scb, sct, ssb, sst, sxb, sxt, smb, smq, smt,
     GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, NV: tl.constexpr,
     NV_PAD: tl.constexpr, DEPTHS: tl.constexpr, STARTS: tl.constexpr, STREAMS: tl.constexpr, FIRSTS: tl.constexpr,
-    ROPE: tl.constexpr, ORDER: tl.constexpr, MASK: tl.constexpr,
+    ROPE: tl.constexpr, ORDER: tl.constexpr, MASK: tl.constexpr, NQ: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     n_splits = tl.num_programs(1)
     b, h = bh // heads, bh % heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
-    g = tl.arange(0, G_PAD)
+    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
     j = tl.arange(0, LATENT)
     if ORDER:  # the coded keys are canonical: so are the queries that meet them
         lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
     else:
         lo_at, hi_at = c, c + half
-    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, lo_at, hi_at, GROUP_Q, G_PAD)
+    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, lo_at, hi_at, g, GROUP_Q, NQ)
     freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
     mean_lo = tl.load(kmean_ptr + h * D + c)
     mean_hi = tl.load(kmean_ptr + h * D + half + c)
@@ -262,7 +276,7 @@ def _latent_split_kernel(
     for t0 in range(start, end, T):
         tok = t0 + tl.arange(0, T)
         valid = tok < end
-        if MASK:
+        if MASK and NQ == 1:
             valid = valid & (tl.load(mask_ptr + b * smb + (coded_column + tok) * smt, mask=valid, other=0) != 0)
         token_codes = codes_ptr + b * scb + tok[:, None] * sct
         token_scales = scales_ptr + b * ssb + tok * sst
@@ -279,7 +293,11 @@ def _latent_split_kernel(
             cos, sin = turned_cos_sin(pos[:, None], freqs[None, :])
             k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
         scores = (_product(q_lo, tl.trans(k_lo)) + _product(q_hi, tl.trans(k_hi))) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        if NQ == 1:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+        else:  # several queries (a chunk): each row's mask row, or its causal limit
+            seen = visible(valid, coded_column + tok, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
+            scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - m_safe[:, None])
@@ -298,17 +316,23 @@ def _latent_split_kernel(
     for i in tl.static_range(NV):
         rows = tl.sum(tl.where((slots == i)[None, :, None], acc, 0.0), axis=1)  # [G_PAD, LATENT]
         values += _product(rows, tl.load(vdec_ptr + (j + i * LATENT)[:, None] * stream_width + h * D + e[None, :]))
-    out = (bh * n_splits + split) * G_PAD + g
+    out = (bh * n_splits + split) * (tl.num_programs(2) * G_PAD) + g
     tl.store(o_ptr + out[:, None] * D + e[None, :], values)
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
 
 
 @triton.jit
-def _fold_raw(q, key, value, column, m_i, l_i, acc, b, mask_ptr, smb, smt, scale, MASK: tl.constexpr):
-    """One raw token (`key`, `value` `[D]`, at mask column `column`) folded into the running statistics."""
+def _fold_raw(q, key, value, column, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt, causal_offset, scale,
+              MASK: tl.constexpr, NQ: tl.constexpr):  # fmt: skip
+    """One raw token (`key`, `value` `[D]`, at mask column `column`) folded into query rows `g`' running
+    statistics."""
     score = tl.sum(q * key.to(tl.float32)[None, :], axis=1) * scale
-    if MASK:
+    if NQ > 1:  # each query row's mask row, or its causal limit
+        at = tl.full((1,), column, tl.int32)
+        seen = visible(at == at, at, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
+        score = tl.where(tl.reshape(seen, (g.shape[0],)), score, float("-inf"))
+    elif MASK:
         score = tl.where(tl.load(mask_ptr + b * smb + column * smt) != 0, score, float("-inf"))
     m_new = tl.maximum(m_i, score)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -319,19 +343,20 @@ def _fold_raw(q, key, value, column, m_i, l_i, acc, b, mask_ptr, smb, smt, scale
 @triton.jit
 def _latent_merge_kernel(
     q_ptr, o_ptr, m_ptr, l_ptr, sk_ptr, sv_ptr, wk_ptr, wv_ptr, mask_ptr, out_ptr,
-    heads, n_splits, sinks, window, window_column, scale,
-    sqb, sqh, sqg, skb, skh, skt, svb, svh, svt, swb, swh, swt, sub, suh, sut, smb, smt,
-    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
+    heads, n_splits, sinks, window, window_column, scale, causal_offset,
+    sqb, sqh, sqg, sqi, skb, skh, skt, svb, svh, svt, swb, swh, swt, sub, suh, sut, smb, smq, smt,
+    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, NQ: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
-    g = tl.arange(0, G_PAD)
+    g = tl.program_id(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernel)
+    r_pad = tl.num_programs(1) * G_PAD
     e = tl.arange(0, D)
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
     for s in range(n_splits):  # the splits, by log-sum-exp
-        at = (bh * n_splits + s) * G_PAD + g
+        at = (bh * n_splits + s) * r_pad + g
         m_s, l_s = tl.load(m_ptr + at), tl.load(l_ptr + at)
         m_new = tl.maximum(m_i, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -339,25 +364,28 @@ def _latent_merge_kernel(
         l_i = l_i * mine + l_s * theirs
         acc = acc * mine[:, None] + tl.load(o_ptr + at[:, None] * D + e[None, :]) * theirs[:, None]
         m_i = m_new
-    q = tl.load(q_ptr + b * sqb + h * sqh + g[:, None] * sqg + e[None, :], mask=(g < GROUP_Q)[:, None],
+    q = tl.load(query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ) + e[None, :], mask=(g < GROUP_Q)[:, None],
                 other=0.0).to(tl.float32)  # fmt: skip
     for t in range(sinks):
         key = tl.load(sk_ptr + b * skb + h * skh + t * skt + e)
         value = tl.load(sv_ptr + b * svb + h * svh + t * svt + e)
-        m_i, l_i, acc = _fold_raw(q, key, value, t, m_i, l_i, acc, b, mask_ptr, smb, smt, scale, MASK)
+        m_i, l_i, acc = _fold_raw(q, key, value, t, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt, causal_offset,
+                                  scale, MASK, NQ)  # fmt: skip
     for t in range(window):
         key = tl.load(wk_ptr + b * swb + h * swh + t * swt + e)
         value = tl.load(wv_ptr + b * sub + h * suh + t * sut + e)
-        m_i, l_i, acc = _fold_raw(q, key, value, window_column + t, m_i, l_i, acc, b, mask_ptr, smb, smt, scale, MASK)
+        m_i, l_i, acc = _fold_raw(q, key, value, window_column + t, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt,
+                                  causal_offset, scale, MASK, NQ)  # fmt: skip
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # nothing seen gives zeros
     tl.store(out_ptr + (bh * GROUP_Q + g[:, None]) * D + e[None, :], out, mask=(g < GROUP_Q)[:, None])
 
 
-def supports(query: torch.Tensor, stream: LatentStream, raw: list, mask: torch.Tensor | None) -> bool:
+def supports(query: torch.Tensor, stream: LatentStream, raw: list, mask: torch.Tensor | None, n_queries: int = 1
+             ) -> bool:  # fmt: skip
     """One power-of-two head width of 32-256 (a key half is a matrix product's operand), the rows of the codes, the
-    scales and every raw part contiguous; a mask of one query row."""
+    scales and every raw part contiguous; up to `common.MAX_QUERIES` queries, a mask of a row each."""
     dim = query.shape[-1]
-    if dim < 32 or dim > 256 or dim & (dim - 1) or (mask is not None and mask.shape[1] != 1):
+    if dim < 32 or dim > 256 or dim & (dim - 1) or not rows_of(mask, n_queries):
         return False
     tensors = [stream.codes, stream.scales, *[t for keys, values, _ in raw for t in (keys, values)]]
     return all(t.stride(-1) == 1 for t in tensors)
@@ -373,46 +401,50 @@ def latent_stream_attention(
     coded_column: int,
     mask: torch.Tensor | None,
     scale: float,
+    n_queries: int = 1,
+    causal_offset: int = 0,
 ) -> torch.Tensor:
-    """`reference.latent_stream_attention` for one query per head (see `supports`): fp32 `[batch, kv_heads, group,
-    dim]`. `raw`: the sinks, then the window (keys after RoPE, model order), each with its first mask column;
-    `rope.freqs` float64 and `order` on the queries' device; `mask` bool `[batch, 1, columns]` or None."""
-    batch, heads, group, dim = query.shape
+    """`reference.latent_stream_attention` (see `supports`): fp32 `[batch, kv_heads, rows, dim]`, row
+    `g * n_queries + i` query `i` of the kv head's `g`-th query head. `raw`: the sinks, then the window (keys after
+    RoPE, model order), each with its first mask column; `rope.freqs` float64 and `order` on the queries' device;
+    `mask` bool `[batch, n_queries, columns]`, or None: causal, query `i` sees columns up to `causal_offset + i`."""
+    strides, group = query_strides(query, n_queries)
+    batch, heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     device = query.device
     (sink_keys, sink_values, _), (window_keys, window_values, window_column) = raw
-    g_pad = max(triton.next_power_of_2(group), 1)
+    rows = query_rows(group, n_queries, causal_offset)
+    g_pad, padded = rows.block, rows.block * rows.blocks
     value_groups = coder.value_decoder.shape[0] // GROUP
     nv_pad = triton.next_power_of_2(max(value_groups, 1))
     length = stream.length
     splits = min(MAX_SPLITS, triton.cdiv(length, TOKENS_PER_SPLIT))
     per_split = triton.cdiv(triton.cdiv(length, splits), TILE_TOKENS) * TILE_TOKENS if splits else 0
     splits = triton.cdiv(length, per_split) if splits else 0
-    o = torch.empty(batch * heads, splits, g_pad, dim, dtype=torch.float32, device=device)
-    m = torch.empty(batch * heads, splits, g_pad, dtype=torch.float32, device=device)
+    o = torch.empty(batch * heads, splits, padded, dim, dtype=torch.float32, device=device)
+    m = torch.empty(batch * heads, splits, padded, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)
     mask_rows = mask if mask is not None else query
-    mask_strides = (mask.stride(0), mask.stride(2)) if mask is not None else (0, 0)
     stream_width = coder.key_mean.shape[0]
     if splits:
         depths, starts, streams, firsts = groups_of(stream.bits)
         positions = rope.positions if rope is not None else query
-        _latent_split_kernel[(batch * heads, splits)](
+        _latent_split_kernel[(batch * heads, splits, rows.blocks)](
             query, stream.codes, stream.scales, coder.key_decoder, coder.key_mean, coder.value_decoder,
             coder.value_mean, positions, rope.freqs if rope is not None else query,
             order if order is not None else query, mask_rows, o, m, l_sum,
-            heads, length, coded_column, per_split, float(scale), stream_width,
-            *query.stride()[:3], stream.codes.stride(0), stream.codes.stride(1), stream.scales.stride(0),
-            stream.scales.stride(1), positions.stride(0), positions.stride(-1), *mask_strides,
+            heads, length, coded_column, per_split, float(scale), stream_width, causal_offset,
+            *strides, stream.codes.stride(0), stream.codes.stride(1), stream.scales.stride(0),
+            stream.scales.stride(1), positions.stride(0), positions.stride(-1), *mask_strides(mask),
             GROUP_Q=group, G_PAD=g_pad, D=dim, T=TILE_TOKENS, NV=value_groups, NV_PAD=nv_pad, DEPTHS=depths,
             STARTS=starts, STREAMS=streams, FIRSTS=firsts, ROPE=rope is not None, ORDER=order is not None,
-            MASK=mask is not None, num_warps=4 if dim < 128 else 8,
+            MASK=mask is not None, NQ=n_queries, num_warps=4 if dim < 128 else 8,
         )  # fmt: skip
     out = torch.empty(batch, heads, group, dim, dtype=torch.float32, device=device)
-    _latent_merge_kernel[(batch * heads,)](
+    _latent_merge_kernel[(batch * heads, rows.blocks)](
         query, o, m, l_sum, sink_keys, sink_values, window_keys, window_values, mask_rows, out,
-        heads, splits, sink_keys.shape[2], window_keys.shape[2], window_column, float(scale),
-        *query.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3], *window_keys.stride()[:3],
-        *window_values.stride()[:3], *mask_strides,
-        GROUP_Q=group, G_PAD=g_pad, D=dim, MASK=mask is not None, num_warps=4 if dim < 256 else 8,
+        heads, splits, sink_keys.shape[2], window_keys.shape[2], window_column, float(scale), causal_offset,
+        *strides, *sink_keys.stride()[:3], *sink_values.stride()[:3], *window_keys.stride()[:3],
+        *window_values.stride()[:3], *mask_strides(mask),
+        GROUP_Q=group, G_PAD=g_pad, D=dim, MASK=mask is not None, NQ=n_queries, num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out
