@@ -22,6 +22,7 @@ Written to benchmarks/results/gpu_path.json; docs/results.md shows the tables.
 
     python benchmarks/gpu_path.py                                   # every registry cache, 200 and 4,096 tokens
     python benchmarks/gpu_path.py --caches delta --lengths 200 --steps 4 --no-bytes
+    python benchmarks/gpu_path.py --only-chunks                     # the chunked steps only, into the JSON
 
 The tests hold the budgets (tests/test_gpu_path.py): `BUDGET`, `BYTES_BUDGET`, `PREFILL_BUDGET` below.
 """
@@ -251,13 +252,32 @@ def _skip_kernels():
         InterpretedFunction.run = run
 
 
+CHUNK = 8  # tokens a chunked step feeds (a chunked prefill's, assisted decoding's candidates)
+CHUNK_LENGTH = 2048
+
+
+def chunk_rows(specs: list[str], model) -> list[dict]:
+    """Each cache's steps of `CHUNK` tokens after a `CHUNK_LENGTH`-token prompt (kernel bodies skipped, as at 4K;
+    SnapKV's at 600 tokens with them: its choice of the slots to evict reads what the attention kernel wrote)."""
+    rows = []
+    for spec in specs:
+        bodies = spec == "snapkv"
+        row = count(spec, 600 if bodies else CHUNK_LENGTH, 3, model, prompt_path="auto", bodies=bodies, chunk=CHUNK)
+        row["chunk"] = CHUNK
+        rows.append(_slim(row))
+        print(f"{spec}, chunks of {CHUNK}: {row['launches']} launches ({row['coding_launches']} coding), "
+              f"{row['syncs']} syncs", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| cache | tokens | launches per layer-step | on a step coding a group | syncs | of them Triton (most) "
              "| largest allocation / layer's bytes |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         coding = "-" if r["coding_launches"] is None else r["coding_launches"]
         largest = "-" if r["largest_allocation"] is None else f"{r['largest_allocation'] / r['layer_nbytes']:.3f}"
-        lines.append(f"| `{r['cache']}` | {r['length']:,} | {r['launches']} | {coding} | {r['syncs']} "
+        tokens = f"{r['length']:,}" + (f" + {r['chunk']} a step" if r.get("chunk") else "")
+        lines.append(f"| `{r['cache']}` | {tokens} | {r['launches']} | {coding} | {r['syncs']} "
                      f"| {r['triton_launches']:.0f} | {largest} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -287,9 +307,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=34, help="decoding steps (34: a coding step at any length)")
     parser.add_argument("--no-bytes", action="store_true", help="skip the bytes-read measurement (minutes at 4K)")
     parser.add_argument("--out", default=str(RESULTS / "gpu_path.json"))
+    parser.add_argument("--only-chunks", action="store_true",
+                        help="count the chunked steps only, into the existing JSON (the rest kept)")  # fmt: skip
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = tiny_llama()
+    chunks = chunk_rows(args.caches.split(","), model)
+    print(markdown(chunks))
+    if args.only_chunks:
+        with open(args.out) as f:
+            result = json.load(f)
+        result["chunk_rows"] = chunks
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print(f"wrote the chunked steps into {args.out}", file=sys.stderr)
+        return 0
     rows = []
     for length in map(int, args.lengths.split(",")):
         for spec in args.caches.split(","):
@@ -312,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bytes read by a decoding step of {other['cache']} at {BYTES_OTHERS_LENGTH}: {other['ratio']:.3f}x")
     result = {"budget": BUDGET, "bytes_budget": BYTES_BUDGET, "prefill_budget": PREFILL_BUDGET,
               "model": "tiny Llama: 2 layers, 4 query heads on 2 kv heads of 32 channels, fp32, random weights",
-              "rows": rows, "prefill_memory": memory, "bytes_read": read, "bytes_read_others": others,
+              "rows": rows, "chunk_rows": chunks, "prefill_memory": memory, "bytes_read": read,
+              "bytes_read_others": others,
               "seconds": round(time.perf_counter() - started)}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

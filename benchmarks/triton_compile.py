@@ -263,6 +263,41 @@ def launches(quick: bool = False) -> list[Launch]:
             mask = torch.ones(1, 1, 64, dtype=torch.bool) if masked else None
             parts = [(window[:, :, :8], window[:, :, :8], 0), (window[:, :, :16], window[:, :, :16], 48)]
             residual.latent_stream_attention(query, parts, codes, coder, angles, order, 8, mask, 0.1)
+        chunks = (("adaptive", 64), ("q4_0", 128), ("kivi", 64), ("kept", 64), ("residual", 64), ("adaptive", 256))
+        for (kind, dim), n, masked in product(chunks, (8, 64), (False, True)):  # chunks of queries (grid axis 2)
+            label[0] = f"a chunk of {n} queries, {kind} keys, head_dim {dim}, 4 queries per kv head, mask {masked}"
+            query = torch.randn(1, n, 8, dim, generator=g).transpose(1, 2).unflatten(1, (2, 4))  # as transformers
+            mask = torch.ones(1, n, 300, dtype=torch.bool) if masked else None
+            sinks = torch.zeros(1, 2, 4, dim, dtype=torch.float16)
+            if kind == "adaptive":
+                keys = _adaptive_layout(32, dim)
+                values = RotatedCodec(PlainCodec("q4_0", search_scale=True))
+                values.append(torch.randn(1, 2, 3 * 32, dim, generator=g))
+                freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+                angles = RopeAngles(torch.arange(4, 4 + 3 * 32, dtype=torch.int32)[None], freqs)
+                adaptive_attention.adaptive_attention(query, sinks, sinks, keys, values.layout(), angles, mask, 0.1, n,
+                                                      40)  # fmt: skip
+                append.add_query_energies(query.flatten(1, 2), None, 2, torch.zeros(1, 2, dim))
+            elif kind in ("q4_0", "kivi"):
+                keys = PlainCodec(kind) if kind == "q4_0" else ChannelGroupCodec("q4_1")
+                keys.append(torch.randn(1, 2, 70, dim, generator=g))
+                values = PlainCodec("q4_0")
+                values.append(torch.randn(1, 2, 70, dim, generator=g))
+                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), None, mask, 0.1,
+                                                 None, n, 10)  # fmt: skip
+            elif kind == "kept":
+                slots = torch.zeros(1, 2, 50, dim, dtype=torch.float16)
+                stream = KeptStream(slots, slots, torch.arange(50, dtype=torch.int32).expand(1, 2, 50), 3, 40)
+                out, observed = kept.kept_attention(query, sinks, sinks, stream, mask, 0.1, n - 4, n, 40)
+                kept.snapkv_evicted(stream, observed, 6, 8, 7)
+            else:
+                coder = LatentCoder(torch.zeros(2 * dim), torch.zeros(2 * dim), torch.zeros(2 * dim, 128),
+                                    torch.zeros(2 * dim, 160), torch.zeros(128, 2 * dim),
+                                    torch.zeros(160, 2 * dim))  # fmt: skip
+                codes = LatentStream(torch.zeros(1, 40, sum(4 * b for b in bits), dtype=torch.uint8),
+                                     torch.zeros(1, 40, 9, dtype=torch.float16), bits)  # fmt: skip
+                parts = [(sinks, sinks, 0), (sinks, sinks, 44)]
+                residual.latent_stream_attention(query, parts, codes, coder, None, None, 4, mask, 0.1, n, 40)
         for dtype, bias in product(INPUT_DTYPES, (False, True)):
             label[0] = f"{str(dtype).removeprefix('torch.')} weights, bias {bias}"
             wt = torch.randn(64, 96, generator=g).to(dtype)

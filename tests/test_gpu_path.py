@@ -132,15 +132,12 @@ def test_chunks_of_tokens_on_the_gpu_path_equal_the_reference_path(name, monkeyp
 
 @pytest.mark.parametrize("name", CHUNKED)
 def test_a_chunk_of_tokens_decodes_within_the_launch_and_sync_budget(name):
-    """Steps of 8 tokens at ~2K (kernel bodies skipped, as above; SnapKV's at 600 tokens with them: its choice of the
-    slots to evict reads what the attention kernel wrote): the same budget as a single token's step."""
-    bodies = name == "snapkv"
-    row = gpu_path.count(name, 600 if bodies else 2040, 3, prompt_path="auto", bodies=bodies, chunk=8)
-    assert row["syncs"] == 0, row["per_step"]
-    worst = max(row["launches"] or 0, row["coding_launches"] or 0)
-    assert worst <= gpu_path.BUDGET["coding_launches"] and (row["launches"] or 0) <= gpu_path.BUDGET["launches"], [
-        s["launches"] for s in row["per_step"]
-    ]
+    """Steps of 8 tokens at 2K (`gpu_path.chunk_rows`: kernel bodies skipped as above, but SnapKV's): the budget of a
+    single token's step."""
+    (row,) = gpu_path.chunk_rows([name], None)
+    assert row["syncs"] == 0, row["worst"]
+    assert (row["launches"] or 0) <= gpu_path.BUDGET["launches"], row["steps_launches"]
+    assert (row["coding_launches"] or 0) <= gpu_path.BUDGET["coding_launches"], row["steps_launches"]
 
 
 def test_left_padded_batches_on_the_gpu_path(monkeypatch):

@@ -205,7 +205,7 @@ def _snapkv_evict_kernel(
         inside = slot < slots
         alive = inside & (tl.load(idx_ptr + b * sib + h * sih + slot, mask=inside, other=-1) >= 0)
         weight = tl.zeros((TILE,), tl.float32)
-        for r0 in tl.static_range(0, R_PAD, RB):  # the rows of the observed queries (from `observe_from`), by blocks
+        for r0 in range(0, R_PAD, RB):  # the rows of the observed queries (from `observe_from`), by blocks
             r = r0 + tl.arange(0, RB)
             maximum = tl.load(m_ptr + bh * R_PAD + r)
             total = tl.load(l_ptr + bh * R_PAD + r)
