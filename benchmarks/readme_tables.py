@@ -301,17 +301,34 @@ def gpu_path_tables() -> None:
 
     budget = result["budget"]
     print("\n## The GPU path, counted without a GPU (`gpu_path.py`, `gpu_path.json`)\n")
-    print(f"Per layer and decoding step on the path a CUDA device takes (`HF_DELTAKV_KERNELS=triton`, Triton's "
-          f"interpreter on CPU tensors), {result['model']}: aten ops that compute plus Triton launches (each at least "
-          "one GPU kernel) and host-device syncs inside the cache's `update` and attention call, the most of "
-          f"{result['rows'][0]['steps']} decoding steps after the prompt (the first included); a step that codes a "
-          f"group of keys apart. Budget of the default cache: ≤ {budget['launches']} launches, ≤ "
-          f"{budget['coding_launches']} on a coding step, {budget['syncs']} syncs. At 200 tokens the whole path is "
-          "interpreted; at 4,096 the prompt is encoded by the CPU kernels (the same bytes) and the kernels' bodies "
-          "are skipped while counting (no sync: nothing on the host depends on them; at 200 tokens the counts are "
-          "the same either way, tested). A cache without a Triton kernel for an op runs its PyTorch reference: "
-          "those rows are what a GPU would launch today.\n")  # fmt: skip
+    print(
+        f"Per layer and decoding step on the path a CUDA device takes (`HF_DELTAKV_KERNELS=triton`, Triton's "
+        f"interpreter on CPU tensors), {result['model']}: aten ops that compute plus Triton launches (each at least "
+        "one GPU kernel) and host-device syncs inside the cache's `update` and attention call, the most of "
+        f"{result['rows'][0]['steps']} decoding steps after the prompt (the first included); a step that codes a "
+        f"group of keys apart. Budget of the default cache: ≤ {budget['launches']} launches, ≤ "
+        f"{budget['coding_launches']} on a coding step, {budget['syncs']} syncs. At 200 tokens the whole path is "
+        "interpreted; at 4,096 the prompt is encoded by the CPU kernels (the same bytes) and the kernels' bodies "
+        "are skipped while counting (no sync: nothing on the host depends on them; at 200 tokens the counts are "
+        "the same either way, tested). A cache without a Triton kernel for an op runs its PyTorch reference: "
+        "those rows are what a GPU would launch today. The last column: the largest buffer a step that grows "
+        "no stored buffer allocates, against what the layer holds (DynamicCache's concatenation: half).\n"
+    )
     print(markdown(result["rows"]))
+    chunks = result.get("chunk_rows")
+    if chunks:
+        print(f"\nSteps of {chunks[0]['chunk']} tokens at once (a chunked prefill, assisted decoding's candidates: "
+              "each query sees the tokens up to its own), the same counts (kernel bodies skipped after a 2K prompt; "
+              "SnapKV's run with them after 600 tokens, as its choice of the slots to evict reads what attention "
+              "wrote):\n")  # fmt: skip
+        print(markdown(chunks))
+    print(
+        "\nNot served by Triton kernels yet (the PyTorch reference runs there on GPUs, launches and syncs as above "
+        'do not hold): `DeltaKVCache(keys="token")` (its attention kernel copies the packed history at every '
+        "call, reads ~20x its bytes and merges the sinks in PyTorch; its encoder's groups are coded in Triton), "
+        "`ResidualKVCache` with references (`stride` > 0; the built-in compressor has none), chunks of more "
+        "than 64 queries (a prefill: the history decoded into the attention's dtype in one kernel, then SDPA)."
+    )
     read = result.get("bytes_read")
     if read:
         print(f"\nBytes read by one decoding step at {read['length']:,} tokens (the distinct bytes each program of its "
@@ -320,6 +337,15 @@ def gpu_path_tables() -> None:
               f"**{read['ratio']:.3f}x** (budget ≤ {result['bytes_budget']}x; the positions, 4 bytes a token read by "
               "each kv head's programs, are most of the excess). By kernel: "
               + ", ".join(f"`{k.strip('_')}` {v:,}" for k, v in read["by_kernel"].items()) + ".")  # fmt: skip
+    others = result.get("bytes_read_others")
+    if others:
+        print(f"\nThe other caches' decoding steps at {others[0]['length']:,} tokens, the same measure (the bytes of "
+              "ResidualKVCache's decoder, model weights outside `nbytes()`, included: each kv head's programs read "
+              "its rows of them and every token's latent codes, shared by the kv heads):\n")  # fmt: skip
+        print("| cache | bytes read | layers' nbytes + queries and outputs | ratio |\n|---|---:|---:|---:|")
+        for o in others:
+            print(f"| `{o['cache']}` | {o['bytes_read']:,} | {o['layers_nbytes'] + o['query_and_output_bytes']:,} | "
+                  f"{o['ratio']:.3f}x |")  # fmt: skip
     memory = result.get("prefill_memory")
     if memory:
         print("\nA prefill's transient memory, one layer of the default cache (8 kv heads × 128, bf16): the peak its "
@@ -346,7 +372,7 @@ def gpu_prediction_table() -> None:
           + ", ".join(f"{gpu} {bw / 1e12:.2f} TB/s" for gpu, bw in GPU_BANDWIDTH.items())
           + "). A prediction, and an upper bound: it counts bytes only. Each Triton launch also costs the host "
           "time (Triton's Python launcher: tens of microseconds a launch as reported elsewhere, not measured here; "
-          "an 8B layer's fp16 history at 8K reads in 7 µs at 4.8 TB/s): the default cache's 7 launches a layer "
+          "an 8B layer's fp16 history at 8K reads in 7 µs at 4.8 TB/s): a cache's 3-7 launches a layer "
           "(`gpu_path.json`) against DynamicCache's 3 may cost more than its bytes save at short contexts (no CUDA "
           "graphs).\n")  # fmt: skip
     print(predicted_markdown(result["predicted"]))
@@ -361,9 +387,10 @@ def gpu_prediction_table() -> None:
             print(f"| {r['shape']} | {r['context']:,} | {r['sdpa_fp16_ms']:.3f} | {a['ms']:.3f} | "
                   f"{a['speedup_vs_sdpa']:.2f}x | {p['ms']:.3f} | {p['speedup_vs_sdpa']:.2f}x | {share} |")  # fmt: skip
         for r in result.get("end_to_end", []):
-            print(f"\nEnd to end, {r['shape']} at {r['context']:,}: DynamicCache "
-                  f"{r['dynamic_tokens_per_s']:.1f} tok/s, DeltaKVCache {r['delta_tokens_per_s']:.1f} tok/s "
-                  f"({r['speedup']:.2f}x).")  # fmt: skip
+            ratio = r.get("vs_dynamic") or {}
+            cells = ", ".join(f"`{n}` {v:.1f} tok/s ({ratio.get(n, float('nan')):.2f}x)"
+                              for n, v in r["tokens_per_s"].items())  # fmt: skip
+            print(f"\nEnd to end, {r['shape']} at {r['context']:,}: {cells}.")
 
 
 def results() -> None:

@@ -277,7 +277,7 @@ def launches(quick: bool = False) -> list[Launch]:
                 angles = RopeAngles(torch.arange(4, 4 + 3 * 32, dtype=torch.int32)[None], freqs)
                 adaptive_attention.adaptive_attention(query, sinks, sinks, keys, values.layout(), angles, mask, 0.1, n,
                                                       40)  # fmt: skip
-                append.add_query_energies(query.flatten(1, 2), None, 2, torch.zeros(1, 2, dim))
+                append.add_query_energies(query.flatten(1, 2), None, 2, torch.zeros(1, 2, dim), 30, 32)
             elif kind in ("q4_0", "kivi"):
                 keys = PlainCodec(kind) if kind == "q4_0" else ChannelGroupCodec("q4_1")
                 keys.append(torch.randn(1, 2, 70, dim, generator=g))

@@ -107,7 +107,8 @@ def _generated_on_both_paths(model, ids, mask, new: int, make, monkeypatch) -> N
                                atol=LOGIT_ATOL, rtol=0)  # fmt: skip
 
 
-CHUNKED = ["delta", "q4_0-rot", "kivi-pre-rope", "snapkv", "residual"]  # each kind of kernel (a chunk costs minutes)
+# A kind of kernel each (the plain and KIVI-style ones: tests/test_kernels_adaptive_triton.py's chunks)
+CHUNKED = ["delta", "snapkv", "residual"]
 
 
 @pytest.mark.parametrize("name", CHUNKED)

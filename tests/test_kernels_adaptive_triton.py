@@ -104,9 +104,13 @@ def test_a_chunks_query_energies_are_summed_as_the_reference_sums_them(group):
     order = torch.randperm(32, generator=g)
     total = torch.rand(2, 2, 32, generator=g)
     for start in (None, total):
-        for channels in (order, None):
-            want = reference.add_query_energies(query, channels, 2, start)
-            assert want.shape == (2, 2, 7, 32) and _same(add_query_energies(query, channels, 2, start), want)
+        # positions first...first + 6; the sums before the group starts crossed (8 / 2, 4, 6 / none), then the total
+        for channels, first, group, kept in ((order, 5, 8, 2), (None, 0, 2, 4), (order, 9, 8, 1)):
+            want = reference.add_query_energies(query, channels, 2, start, first, group)
+            got = add_query_energies(query, channels, 2, start, first, group)
+            assert want.shape == (2, 2, kept, 32) and _same(got, want)
+    whole = reference.add_query_energies(query, None, 2, total, 5, 1)  # every position a group start: every sum
+    assert torch.allclose(whole[:, :, -1], total + reference.query_energy(query, None, 2, False).sum(2))
 
 
 def _coded_rows(batch, heads, rows, total, group, dim):

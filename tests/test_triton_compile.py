@@ -1,6 +1,7 @@
-"""Every Triton kernel compiles for real GPU targets (NVIDIA sm_80, sm_90; AMD gfx942, gfx90a) without a GPU, in
-each configuration the dispatch sends it (a covering pass: every kernel, block format, head dim, GQA group size and
-option at least once), within each target's shared memory: `benchmarks/triton_compile.py --quick`."""
+"""Every Triton kernel compiles for real GPU targets without a GPU, in each configuration the dispatch sends it (a
+covering pass: every kernel, block format, head dim, GQA group size and option at least once), within each target's
+shared memory: `benchmarks/triton_compile.py --quick` for an NVIDIA and an AMD target (sm_90, gfx942: ~2 minutes on 2
+cores; the benchmark's pass over all four, sm_80 and gfx90a too, takes twice that and writes triton_compile.json)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_compile.py"
+TARGETS = ("sm_90", "gfx942")  # one of each vendor's compilers (CI's time); the benchmark compiles for four
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_every_triton_kernel_compiles_for_every_gpu_target(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # interpreted kernels cannot compile
     out = tmp_path / "triton_compile.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], env=env, capture_output=True,
-                          text=True, cwd=SCRIPT.parent, timeout=1500)  # fmt: skip
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--targets", ",".join(TARGETS), "--out", str(out)],
+                          env=env, capture_output=True, text=True, cwd=SCRIPT.parent, timeout=1500)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     kernels = {row["kernel"] for row in rows}
@@ -35,5 +37,5 @@ def test_every_triton_kernel_compiles_for_every_gpu_target(tmp_path):
     no_spills = [row for row in rows if row["target"] == "sm_90" and "head_dim 128" in row["config"]
                  and row["kernel"].startswith("adaptive")]  # fmt: skip
     assert no_spills and all(row["spills"] == 0 for row in no_spills), no_spills
-    assert {row["target"] for row in rows} == {"sm_80", "sm_90", "gfx942", "gfx90a"}
+    assert {row["target"] for row in rows} == set(TARGETS)
     assert all(row["error"] is None and row["shared"] <= row["shared_limit"] for row in rows)

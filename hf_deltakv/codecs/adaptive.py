@@ -108,19 +108,21 @@ class AdaptiveChannelCodec(RawTailCodec):
 
     def observe_chunk(self, query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, first: int) -> None:
         """`observe` of a chunk's queries `[batch, q_heads, n, dim]` at positions `first...` in one op
-        (`kernels.add_query_energies`): each position's running sum is a row of one new tensor, so the sums before
-        the group starts the chunk crosses are views of it, never copied."""
+        (`kernels.add_query_energies`): the sums before the group starts the chunk crosses and the new total are the
+        rows of one new tensor, kept as views of it, never copied."""
         skip = max(self.observed - first, 0)
         if skip >= query.shape[2]:  # seen already
             return
         query, first = query[:, :, skip:], first + skip
-        running = kernels.add_query_energies(query, order, kv_heads, self.energy)
         n = query.shape[2]
-        start = -(-(first + 1) // self.group) * self.group  # group starts s with first < s <= first + n
-        for s in range(start, first + n + 1, self.group):
+        sums = kernels.add_query_energies(query, order, kv_heads, self.energy, first, self.group)
+        starts = kernels.reference.group_starts(first, n, self.group)
+        if (first + n) % self.group == 0:  # the chunk ends where a group starts: its total is the sum before it
+            starts.append(first + n)
+        for row, s in enumerate(starts):
             if s // self.group >= self.first_group + self.coded:
-                self.before_group[s // self.group] = (running[:, :, s - first - 1], s)
-        self.energy = running[:, :, -1]
+                self.before_group[s // self.group] = (sums[:, :, row], s)
+        self.energy = sums[:, :, -1]
         self.observed = first + n
 
     def observe_one(self, query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, position: int) -> None:

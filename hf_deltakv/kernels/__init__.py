@@ -303,16 +303,17 @@ def add_query_energy(
 
 
 def add_query_energies(
-    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None, first: int, group: int
 ) -> torch.Tensor:
-    """`reference.add_query_energies` (a chunk's running sums of query energies), dispatched: one Triton launch on
-    GPUs, `query_energy` (C++ on the CPU) and the adds elsewhere. The same floats (tested)."""
+    """`reference.add_query_energies` (a chunk's running sums of query energies before the group starts it crosses and
+    at its end), dispatched: one Triton launch on GPUs, `query_energy` (C++ on the CPU) and the adds elsewhere. The
+    same floats (tested)."""
     dim = query.shape[-1]
     if use_triton(query.device) and dim >= 2 and not dim & (dim - 1):
         from .triton.append import add_query_energies as kernel
 
-        return kernel(query, order, kv_heads, total if total is None else total.contiguous())
-    return reference.add_query_energies(query, order, kv_heads, total, query_energy)
+        return kernel(query, order, kv_heads, total if total is None else total.contiguous(), first, group)
+    return reference.add_query_energies(query, order, kv_heads, total, first, group, query_energy)
 
 
 def allocate_depths(level: torch.Tensor, total: int, most: int) -> torch.Tensor:

@@ -249,19 +249,35 @@ def add_query_energy(
     return energy if total is None else total + energy
 
 
+def group_starts(first: int, n: int, group: int) -> list[int]:
+    """The group starts `s` a chunk of `n` positions from `first` crosses before its last: `first < s < first + n`,
+    `s` a multiple of `group` (the rows of `add_query_energies` before its last)."""
+    return list(range(-(-(first + 1) // group) * group, first + n, group))
+
+
 def add_query_energies(
-    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None, energies=query_energy
+    query: torch.Tensor,
+    order: torch.Tensor | None,
+    kv_heads: int,
+    total: torch.Tensor | None,
+    first: int,
+    group: int,
+    energies=query_energy,
 ) -> torch.Tensor:
-    """The running sums of a few positions' query energies (a chunk), fp32 `[batch, kv_heads, n, D]`: position `j`'s
-    is `total + e_0 + ... + e_j`, added in order (`total` None: from zero), `e_j` the pair energies of query `j`
-    (`query_energy(query, order, kv_heads, one_position=False)`, or a kernel of its signature as `energies`)."""
+    """The running sums of a chunk's query energies (positions `first...`) where the adaptive keys keep them, fp32
+    `[batch, kv_heads, len(group_starts(first, n, group)) + 1, D]`: the sum before each group start the chunk crosses,
+    then the sum over the whole chunk. The sum before position `p` is `total + e_first + ... + e_(p-1)`, added in
+    order (`total` None: from zero), `e` the pair energies of each query (`query_energy(query, order, kv_heads,
+    one_position=False)`, or a kernel of its signature as `energies`)."""
     energy = energies(query, order, kv_heads, False)
+    n = energy.shape[2]
     running = torch.zeros_like(energy[:, :, 0]) if total is None else total
-    sums = []
-    for j in range(energy.shape[2]):
+    kept = []
+    for j in range(n):
         running = running + energy[:, :, j]
-        sums.append(running)
-    return torch.stack(sums, dim=2)
+        if j == n - 1 or (first + j + 1) % group == 0:
+            kept.append(running)
+    return torch.stack(kept, dim=2)
 
 
 WATER_LEVEL_STEPS = 40  # bisection steps of `allocate_depths` (the kernels take it from here)

@@ -41,6 +41,9 @@ from .tokens import heads_to_tokens, tokens_to_heads
 # window then holds `window` to `window + CODE_BATCH - 1` raw tokens (counted in the bytes); an update of several tokens
 # (a prefill) codes all but the last `window`, as training sees them (`window.code_window`).
 CODE_BATCH = 16
+# Rows of room the raw window's buffer keeps for decoding steps (or 1/ROOM_FRACTION of the window, if more): the window
+# (a few dozen tokens) is moved into a larger buffer every few steps at most, never copied at every step.
+WINDOW_ROOM = CODE_BATCH // 4
 
 
 class ResidualLayer(StreamLayer):
@@ -97,20 +100,19 @@ class ResidualLayer(StreamLayer):
     def _window_length(self) -> int:
         return 0 if self.window_keys is None else self.window_keys.shape[2]
 
-    def _window_room(self, n: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    def _window_room(self, n: int, room: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """The window's buffers and the row where `n` new tokens go (after its tokens): the buffers when they have
-        room and the views are still theirs, else new ones with the window's tokens moved over (at least `CODE_BATCH`
-        rows of room: a decoding step's token is written in place)."""
+        room and the views are still theirs, else new ones with the window's tokens moved over and `room` rows more
+        (default: `WINDOW_ROOM`, or 1/`ROOM_FRACTION` of the window, for the next decoding steps' tokens; none for a
+        prefill's)."""
         held, length = self._growing_window, self._window_length()
         if held is not None and self.window_keys is not None and _same_storage(self.window_keys, held[0]):
             end = (self.window_keys.storage_offset() - held[0].storage_offset()) // held[0].stride(2) + length
             if end + n <= held[0].shape[2]:
                 return held, end
-        if self.window_keys is None and n > 1:  # a prefill's tokens: as many rows (the window keeps its last ones)
-            rows = n
-        else:
-            rows = length + n + max(CODE_BATCH, (length + n) // ROOM_FRACTION)
-        like = (self.batch_size, self.kv_heads, rows)
+        if room is None:  # (a prefill's tokens: as many rows; the window keeps its last ones)
+            room = 0 if self.window_keys is None and n > 1 else max(WINDOW_ROOM, (length + n) // ROOM_FRACTION)
+        like = (self.batch_size, self.kv_heads, length + n + room)
         grown = (torch.empty(*like, self.head_dim, dtype=self.sink_dtype, device=self.device),
                  torch.empty(*like, self.value_dim, dtype=self.sink_dtype, device=self.device))  # fmt: skip
         if length:
@@ -120,12 +122,12 @@ class ResidualLayer(StreamLayer):
         return grown, length
 
     def _rebuffer_window(self) -> None:
-        """After coding: a buffer much larger than a decoding window's (a prefill's) is let go, its last tokens moved
-        into one of that size."""
+        """After coding: a buffer much larger than what the window holds (a prefill's) is let go, the window's tokens
+        moved into one of their size (the next decoding step grows it, with room)."""
         held = self._growing_window
         if held is not None and held[0].shape[2] > 2 * (self._window_length() + CODE_BATCH):
             self._growing_window = None
-            buffers, at = self._window_room(0)
+            buffers, at = self._window_room(0, room=0)
             self.window_keys, self.window_values = (t[:, :, :at] for t in buffers)
 
     def _codes_room(self, n: int) -> tuple[LatentStream, int]:

@@ -6,8 +6,9 @@
   q4_1, q8_0, q3_0, f16 and the 16-wide variants; the symmetric ones with the searched scale when asked).
   Specification: `reference.quantize_at` (the same bytes).
 - `add_query_energy`: the queries' pair energies averaged per kv head, added to the encoder's running sum (a new
-  tensor). Specification: `reference.add_query_energy` (the same floats). `add_query_energies`: the same for a few
-  positions (a chunk), each one's running sum. Specification: `reference.add_query_energies` (the same floats).
+  tensor). Specification: `reference.add_query_energy` (the same floats). `add_query_energies`: the same for a
+  chunk's positions, the running sums before the group starts it crosses and at its end. Specification:
+  `reference.add_query_energies` (the same floats).
 
 A program handles a tile of up to `ROWS_MOST` tokens of a head (one on a decoding step; a prefill's rows in
 tiles), or a kv head's queries; inputs are read in their own dtype and strides, so nothing is converted or copied
@@ -275,7 +276,7 @@ def add_query_energy(
 @triton.jit
 def _query_energies_kernel(
     q_ptr, order_ptr, total_ptr, out_ptr,
-    kv_heads, n, sqb, sqh, sqg, sqn, sqd,
+    kv_heads, n, first, group, kept, sqb, sqh, sqg, sqn, sqd,
     GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
@@ -291,6 +292,7 @@ def _query_energies_kernel(
     if TOTAL:
         lower = tl.load(total_ptr + bh * D + c)
         upper = tl.load(total_ptr + bh * D + half + c)
+    k = 0
     for j in range(n):  # the positions in order, each one's mean over the query heads added to the running sum
         energy = tl.zeros((half,), tl.float32)
         for g in tl.static_range(GROUP):  # added in order, as the reference adds its heads
@@ -305,21 +307,27 @@ def _query_energies_kernel(
         energy = tl.math.div_rn(energy, tl.full((half,), GROUP, tl.float32))
         lower = lower + energy
         upper = upper + energy
-        tl.store(out_ptr + (bh * n + j) * D + c, lower)
-        tl.store(out_ptr + (bh * n + j) * D + half + c, upper)
+        if (j == n - 1) | ((first + j + 1) % group == 0):  # before a group start, or the whole chunk's
+            tl.store(out_ptr + (bh * kept + k) * D + c, lower)
+            tl.store(out_ptr + (bh * kept + k) * D + half + c, upper)
+            k += 1
 
 
 def add_query_energies(
-    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
-) -> torch.Tensor:
+    query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None, first: int,
+    group: int,
+) -> torch.Tensor:  # fmt: skip
     """`reference.add_query_energies` (see there) in one launch; `query` `[batch, q_heads, n, dim]` (any strides),
     `order` on its device, `total` contiguous."""
+    from ..reference import group_starts
+
     batch, heads, n, dim = query.shape
     grouped = query.unflatten(1, (kv_heads, heads // kv_heads))  # [B, kv heads, group, n, D]: a view
-    out = torch.empty(batch, kv_heads, n, dim, dtype=torch.float32, device=query.device)
+    kept = len(group_starts(first, n, group)) + 1
+    out = torch.empty(batch, kv_heads, kept, dim, dtype=torch.float32, device=query.device)
     _query_energies_kernel[(batch * kv_heads,)](
         grouped, order if order is not None else grouped, total if total is not None else out, out,
-        kv_heads, n, *grouped.stride(),
+        kv_heads, n, first, group, kept, *grouped.stride(),
         GROUP=heads // kv_heads, D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
     )  # fmt: skip
     return out
