@@ -277,7 +277,8 @@ def markdown(rows: list[dict]) -> str:
         coding = "-" if r["coding_launches"] is None else r["coding_launches"]
         largest = "-" if r["largest_allocation"] is None else f"{r['largest_allocation'] / r['layer_nbytes']:.3f}"
         tokens = f"{r['length']:,}" + (f" + {r['chunk']} a step" if r.get("chunk") else "")
-        lines.append(f"| `{r['cache']}` | {tokens} | {r['launches']} | {coding} | {r['syncs']} "
+        plain = "-" if r["launches"] is None else r["launches"]  # (every step coded)
+        lines.append(f"| `{r['cache']}` | {tokens} | {plain} | {coding} | {r['syncs']} "
                      f"| {r['triton_launches']:.0f} | {largest} |")  # fmt: skip
     return "\n".join(lines)
 

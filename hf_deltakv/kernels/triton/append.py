@@ -226,6 +226,22 @@ def quantize_at(
 
 
 @triton.jit
+def _mean_energy(rows, sqg, sqd, lo_at, hi_at, GROUP: tl.constexpr):
+    """`reference.query_energy` of one position: the pair energies of its `GROUP` query rows (from `rows`, `sqg`
+    apart) averaged, `[D/2]` fp32, added in order as the reference adds its heads."""
+    energy = tl.zeros(lo_at.shape, tl.float32)
+    for g in tl.static_range(GROUP):
+        lo = tl.load(rows + g * sqg + lo_at * sqd).to(tl.float32)
+        hi = tl.load(rows + g * sqg + hi_at * sqd).to(tl.float32)
+        pair = (lo * lo + hi * hi) * 0.5  # (halving is exact: the reference's / 2)
+        if g == 0:
+            energy = pair
+        else:
+            energy = energy + pair
+    return tl.math.div_rn(energy, tl.full(lo_at.shape, GROUP, tl.float32))
+
+
+@triton.jit
 def _query_energy_kernel(
     q_ptr, order_ptr, total_ptr, out_ptr,
     kv_heads, sqb, sqh, sqg, sqd,
@@ -239,17 +255,7 @@ def _query_energy_kernel(
         lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
     else:
         lo_at, hi_at = c, c + half
-    energy = tl.zeros((half,), tl.float32)
-    for g in tl.static_range(GROUP):  # added in order, as the reference adds its heads
-        row = q_ptr + b * sqb + h * sqh + g * sqg
-        lo = tl.load(row + lo_at * sqd).to(tl.float32)
-        hi = tl.load(row + hi_at * sqd).to(tl.float32)
-        pair = (lo * lo + hi * hi) * 0.5  # (halving is exact: the reference's / 2)
-        if g == 0:
-            energy = pair
-        else:
-            energy = energy + pair
-    energy = tl.math.div_rn(energy, tl.full((half,), GROUP, tl.float32))
+    energy = _mean_energy(q_ptr + b * sqb + h * sqh, sqg, sqd, lo_at, hi_at, GROUP)
     upper = energy
     if TOTAL:
         energy = tl.load(total_ptr + bh * D + c) + energy
@@ -294,17 +300,7 @@ def _query_energies_kernel(
         upper = tl.load(total_ptr + bh * D + half + c)
     k = 0
     for j in range(n):  # the positions in order, each one's mean over the query heads added to the running sum
-        energy = tl.zeros((half,), tl.float32)
-        for g in tl.static_range(GROUP):  # added in order, as the reference adds its heads
-            row = q_ptr + b * sqb + h * sqh + g * sqg + j * sqn
-            lo = tl.load(row + lo_at * sqd).to(tl.float32)
-            hi = tl.load(row + hi_at * sqd).to(tl.float32)
-            pair = (lo * lo + hi * hi) * 0.5
-            if g == 0:
-                energy = pair
-            else:
-                energy = energy + pair
-        energy = tl.math.div_rn(energy, tl.full((half,), GROUP, tl.float32))
+        energy = _mean_energy(q_ptr + b * sqb + h * sqh + j * sqn, sqg, sqd, lo_at, hi_at, GROUP)
         lower = lower + energy
         upper = upper + energy
         if (j == n - 1) | ((first + j + 1) % group == 0):  # before a group start, or the whole chunk's

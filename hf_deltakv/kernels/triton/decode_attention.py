@@ -272,6 +272,14 @@ def _mins_like_scales(q: QuantizedTensor) -> bool:
     return q.mins is None or q.mins.stride() == q.scales.stride()
 
 
+def split_tokens(tokens: int, tile: int, splits: int | None = None) -> tuple[int, int]:
+    """(programs per kv head, tokens each: whole tiles) for a stream of `tokens` (default: one per `TOKENS_PER_SPLIT`
+    tokens, at most `MAX_SPLITS`; at least one)."""
+    splits = splits or max(1, min(MAX_SPLITS, triton.cdiv(tokens, TOKENS_PER_SPLIT)))
+    per_split = triton.cdiv(triton.cdiv(max(tokens, 1), splits), tile) * tile
+    return max(1, triton.cdiv(tokens, per_split)), per_split
+
+
 def tile_tokens(dim: int) -> int:
     """Tokens a program decodes and scores at a time: what keeps a tile's products in registers."""
     return 16 if dim <= 64 else 8 if dim <= 128 else 4
@@ -309,9 +317,7 @@ def plain_attention(
     rows = query_rows(group, n_queries, causal_offset)
     g_pad, blocks = rows.block, rows.blocks
     n_tokens = keys.length
-    splits = splits or max(1, min(MAX_SPLITS, triton.cdiv(n_tokens, TOKENS_PER_SPLIT)))
-    per_split = triton.cdiv(triton.cdiv(n_tokens, splits), tile) * tile
-    splits = max(1, triton.cdiv(n_tokens, per_split))
+    splits, per_split = split_tokens(n_tokens, tile, splits)
     o = torch.empty(batch * kv_heads, splits, blocks * g_pad, dim, dtype=torch.float32, device=device)
     m = torch.empty(batch * kv_heads, splits, blocks * g_pad, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)

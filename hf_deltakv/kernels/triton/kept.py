@@ -27,7 +27,7 @@ from ...quant import get_format
 from ..layout import KeptStream, Observation
 from .adaptive_attention import merge_splits
 from .common import mask_strides, query_rows, query_strides, rows_of, saturate_fp16
-from .decode_attention import MAX_SPLITS, TOKENS_PER_SPLIT, _plain_split_kernel, tile_tokens
+from .decode_attention import _plain_split_kernel, split_tokens, tile_tokens
 
 RANK_TILE = 256  # slots a program of `_snapkv_evict_kernel` ranks at a time
 
@@ -159,10 +159,7 @@ def kept_attention(
     tile = tile_tokens(dim)
     rows = query_rows(group, n_queries, query_position)
     slots, first = kept.slots, kept.first
-    reach = max(slots - first, 1)
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(reach, TOKENS_PER_SPLIT)))
-    per_split = triton.cdiv(triton.cdiv(reach, splits), tile) * tile
-    splits = max(1, triton.cdiv(reach, per_split))
+    splits, per_split = split_tokens(slots - first, tile)
     padded = rows.block * rows.blocks
     o = torch.empty(batch * kv_heads, splits, padded, dim, dtype=torch.float32, device=device)
     m = torch.empty(batch * kv_heads, splits, padded, dtype=torch.float32, device=device)
