@@ -30,7 +30,7 @@ def test_every_triton_kernel_compiles_for_every_gpu_target(tmp_path):
     assert kernels == {"quantize_4bit_kernel", "quantize_q8_0_kernel", "plain_split_kernel",
                        "delta_attention_kernel", "delta_encode_kernel", "dequantize_latent_kernel",
                        "sparse_matvec_kernel", "adaptive_split_kernel", "adaptive_merge_kernel", "undo_rope_kernel",
-                       "quantize_rows_kernel", "query_energy_kernel", "code_groups_kernel", "copy_rows_kernel",
+                       "quantize_rows_kernel", "code_groups_kernel", "copy_rows_kernel",
                        "adaptive_keys_kernel", "plain_values_kernel", "keep_rows_kernel", "compact_kernel",
                        "snapkv_evict_kernel", "raw_rows_kernel", "encode_kernel", "latent_split_kernel",
                        "latent_merge_kernel", "query_energies_kernel"}  # fmt: skip

@@ -5,10 +5,10 @@
 - `quantize_at`: new tokens rotated (Hadamard butterflies) and quantized into their rows, in any format (q4_0,
   q4_1, q8_0, q3_0, f16 and the 16-wide variants; the symmetric ones with the searched scale when asked).
   Specification: `reference.quantize_at` (the same bytes).
-- `add_query_energy`: the queries' pair energies averaged per kv head, added to the encoder's running sum (a new
-  tensor). Specification: `reference.add_query_energy` (the same floats). `add_query_energies`: the same for a
-  chunk's positions, the running sums before the group starts it crosses and at its end. Specification:
-  `reference.add_query_energies` (the same floats).
+- `add_query_energies`: a chunk's queries' pair energies averaged per kv head, each position's added to the
+  encoder's running sum, the sums before the group starts it crosses and at its end kept (a new tensor).
+  Specification: `reference.add_query_energies` (the same floats); over one position, `add_query_energy`
+  (`reference.add_query_energy`).
 
 A program handles a tile of up to `ROWS_MOST` tokens of a head (one on a decoding step; a prefill's rows in
 tiles), or a kv head's queries; inputs are read in their own dtype and strides, so nothing is converted or copied
@@ -241,42 +241,20 @@ def _mean_energy(rows, sqg, sqd, lo_at, hi_at, GROUP: tl.constexpr):
     return tl.math.div_rn(energy, tl.full(lo_at.shape, GROUP, tl.float32))
 
 
-@triton.jit
-def _query_energy_kernel(
-    q_ptr, order_ptr, total_ptr, out_ptr,
-    kv_heads, sqb, sqh, sqg, sqd,
-    GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr,
-):  # fmt: skip
-    bh = tl.program_id(0)
-    b, h = bh // kv_heads, bh % kv_heads
-    half: tl.constexpr = D // 2
-    c = tl.arange(0, half)
-    if ORDER:
-        lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
-    else:
-        lo_at, hi_at = c, c + half
-    energy = _mean_energy(q_ptr + b * sqb + h * sqh, sqg, sqd, lo_at, hi_at, GROUP)
-    upper = energy
-    if TOTAL:
-        energy = tl.load(total_ptr + bh * D + c) + energy
-        upper = tl.load(total_ptr + bh * D + half + c) + upper
-    tl.store(out_ptr + bh * D + c, energy)
-    tl.store(out_ptr + bh * D + half + c, upper)
-
-
 def add_query_energy(
     query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, total: torch.Tensor | None
 ) -> torch.Tensor:
-    """`reference.add_query_energy` (see there); `order` on the queries' device, `total` contiguous."""
+    """`reference.add_query_energy` (see there); `order` on the queries' device, `total` contiguous: the chunk's
+    kernel over one position (`0 + e == e` exactly)."""
     batch, heads, rows, dim = query.shape
-    grouped = query.reshape(batch, kv_heads, heads * rows // kv_heads, dim)  # a view for both of transformers' layouts
-    out = torch.empty(batch, kv_heads, dim, dtype=torch.float32, device=query.device)
-    _query_energy_kernel[(batch * kv_heads,)](
+    grouped = query.reshape(batch, kv_heads, heads * rows // kv_heads, 1, dim)  # a view for both transformers layouts
+    out = torch.empty(batch, kv_heads, 1, dim, dtype=torch.float32, device=query.device)
+    _query_energies_kernel[(batch * kv_heads,)](
         grouped, order if order is not None else grouped, total if total is not None else out, out,
-        kv_heads, *grouped.stride(),
+        kv_heads, 1, 0, 1, 1, *grouped.stride(),
         GROUP=grouped.shape[2], D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
     )  # fmt: skip
-    return out
+    return out[:, :, 0]
 
 
 @triton.jit
