@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from paths import RESULTS
+from paths import RESULTS, machine
 
 CACHES = ("dynamic", "q4_0", "kivi-pre-rope", "delta", "delta-no-model", "residual", "hf-hqq")
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {round_ + 1}: {spec} @ {ctx} {dtype} x{ranks}: {speed:.1f} tok/s", file=sys.stderr)
     rows = [_median(results) for results in runs.values() if results]
     print(markdown(rows))
-    config = {**vars(args), "date": time.strftime("%F")}
+    config = {**vars(args), "date": time.strftime("%F"), "machine": machine()}
     config.pop("one")
     Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)

@@ -15,7 +15,7 @@ import sys
 import time
 
 import torch
-from paths import RESULTS, WIKITEXT_TEST
+from paths import RESULTS, WIKITEXT_TEST, machine
 
 from hf_deltakv import DeltaKVCache
 from hf_deltakv.models import load_model
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratios (on / off): prefill {on['prefill_tok_s'] / off['prefill_tok_s']:.3f}, "
           f"decode {on['decode_tok_s'] / off['decode_tok_s']:.3f}")  # fmt: skip
     config = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "ctx": args.ctx, "new": args.new,
-              "rounds": args.rounds, "threads": torch.get_num_threads()}  # fmt: skip
+              "rounds": args.rounds, "threads": torch.get_num_threads(), "machine": machine()}  # fmt: skip
     with open(args.out, "w") as out:
         json.dump({"config": config, "rows": rows}, out, indent=2)
         out.write("\n")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from paths import RESULTS
+from paths import RESULTS, machine
 
 # Predicted decoding speed on GPUs from bytes alone: a decode step of batch 1 is bound by memory bandwidth, so it
 # takes (weights read + cache read) / bandwidth. Published peak bandwidths (an upper bound on tokens/s):
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [f"{n} {v:.1f} tok/s ({ratio.get(n, float('nan')):.2f}x)" for n, v in r["tokens_per_s"].items()]
                 print(f"end to end, {shape} @ {c}: " + ", ".join(cells), flush=True)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"config": {**vars(args), "device_name": device_name, "seconds": round(time.perf_counter() - started)},
+    result = {"config": {**vars(args), "device_name": device_name, "host": machine(),
+                         "seconds": round(time.perf_counter() - started)},
               "rows": rows, "end_to_end": e2e, "predicted": predicted}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

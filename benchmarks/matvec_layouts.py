@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from paths import RESULTS
+from paths import RESULTS, machine
 
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))  # (out, in): attention q/o, k/v, MLP up/gate, down
 
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['out']} × {r['in']} | {r['row_major_us']:.1f} | {r['input_major_us']:.1f} "
             f"| {r['gather_all_us']:.1f} | {r['gather_half_us']:.1f} | {r['gather_all_us'] / r['input_major_us']:.2f} |"
         )
-    config = {"calls": args.calls, "repeats": args.repeats, "threads": 1, "date": time.strftime("%F")}
+    config = {"calls": args.calls, "repeats": args.repeats, "threads": 1, "date": time.strftime("%F"),
+              "machine": machine()}  # fmt: skip
     with open(args.out, "w") as f:
         f.write(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paths import RESULTS
+from paths import RESULTS, machine
 
 from hf_deltakv.compare import write_json
 
@@ -78,7 +78,7 @@ def main() -> int:
     config = {
         "commit": commit.stdout.strip(),
         "cores": os.cpu_count(),
-        "machine": platform.machine(),
+        "machine": machine(),
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "protocol": "a fresh clone and venv; HF_DELTAKV_CACHE a new folder, so the first `hf-deltakv ppl` converts the "

@@ -3,6 +3,8 @@ every script)."""
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,3 +38,26 @@ def cache_bytes(cache) -> int:
 def fp16_bytes(cache) -> int:
     """A DynamicCache's bytes were it kept fp16: 2 per scalar it holds (sliding layers hold their window)."""
     return 2 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+
+
+# CPU features that decide how fast the kernels and the model's matmuls run (AMX: bf16 matrix units)
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def machine() -> dict:
+    """The machine a speed measurement ran on, for its JSON (speed depends on the CPU: without AMX bf16 matmuls are
+    slow): the CPU's model name, which of `SPEED_FLAGS` it has, the cores and the threads torch uses."""
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+    except OSError:  # (not Linux: the processor's name as the platform reports it)
+        pass
+    return {"cpu": model, "flags": [f for f in SPEED_FLAGS if f in flags], "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "arch": platform.machine()}  # fmt: skip

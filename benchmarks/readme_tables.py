@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from paths import RESULTS
+from paths import RESULTS, SPEED_FLAGS
 
 from hf_deltakv.compare import markdown_table
 
@@ -117,6 +117,16 @@ DECODE_RUNS = {
     "decode_speed_8k.json": ", 8K prompts in bf16",
 }
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
+
+
+def machine_line(config: dict) -> str:
+    """Where a speed table was measured (`paths.machine()`, in its JSON since that was recorded; before: 2 cores of
+    the project's machines, without AMX), a line and a blank one."""
+    where = config.get("machine")
+    if not where:
+        return "Measured on 2 cores without AMX (the CPU was not recorded in this JSON).\n\n"
+    flags = ", ".join(where["flags"]) or "none of " + ", ".join(SPEED_FLAGS)
+    return f"Measured on {where['cpu']}, {where['threads']} threads of {where['cores']} cores ({flags}).\n\n"
 
 
 def side_by_side(name: str, caches: tuple[str, ...] | None = None) -> str:
@@ -504,7 +514,7 @@ def legacy() -> None:
         decode = _load(name)
         if decode and "ctx" in decode["rows"][0]:
             print(f"\n## Decoding on the CPU{what} ({decode['config']['new']} new tokens after the prompt; `{name}`)\n")
-            print(decode_table(decode["rows"]))
+            print(machine_line(decode["config"]) + decode_table(decode["rows"]))
     tp = _load("decode_tp.json")
     if tp:
         print(

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from paths import RESULTS, WIKITEXT_TEST
+from paths import RESULTS, WIKITEXT_TEST, machine
 
 from hf_deltakv.eval.perplexity import perplexity, token_windows
 from hf_deltakv.eval.texts import load_text
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "perplexity_prompt": PROMPT,
         "date": time.strftime("%F"),
+        "machine": machine(),
     }
     Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     plot(rows, Path(args.out).with_suffix(".png"))
