@@ -135,8 +135,13 @@ def run(context: int, shape: str, args: argparse.Namespace) -> dict:
     row = {"shape": shape, "context": context, "sdpa_fp16_ms": sdpa_ms, "fp16_cache_mib": fp16_bytes / 2**20,
            "sdpa_bandwidth_fraction": fp16_bytes / (sdpa_ms / 1e3) / peak if peak else None}  # fmt: skip
     for layout in ("adaptive", "plain", "token"):
-        case = _case(q, k, v, scale, args, layout)
-        ms = _time(case["fused"], args.iters, device)
+        try:
+            case = _case(q, k, v, scale, args, layout)
+            ms = _time(case["fused"], args.iters, device)
+        except Exception as error:  # a failing layout is a row of the table, not the end of a device lease
+            row[layout] = {"error": f"{type(error).__name__}: {error}"[:500]}
+            print(f"{shape} @ {context}, {layout}: {row[layout]['error']}", file=sys.stderr, flush=True)
+            continue
         row[layout] = {"ms": ms, "speedup_vs_sdpa": sdpa_ms / ms, "cache_mib": case["bytes"] / 2**20,
                        "bandwidth_fraction": case["bytes"] / (ms / 1e3) / peak if peak else None,
                        "max_error_vs_reference": case["error"]}  # fmt: skip
@@ -185,7 +190,7 @@ def _case(q, k, v, scale, args, layout: str) -> dict:
     return {"fused": fused, "error": error, "bytes": read}
 
 
-E2E_CACHES = "dynamic,delta,delta-no-model,q4_0,q8_0,kivi-pre-rope,streaming-llm,snapkv"
+E2E_CACHES = "dynamic,delta,delta-no-model,q4_0,q8_0,kivi-pre-rope,streaming-llm,snapkv,residual"
 
 
 @torch.no_grad()
@@ -193,9 +198,7 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
     """Decode tokens/s of a random-weight Llama of `shape` (bf16) whose every layer's history holds `context`
     random tokens, for each cache of `--e2e-caches` (registry names; `residual` with a compressor of the shape's
     size, identity weights, 4 bits a latent group: its cost is its shape's, not its weights')."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
-
-    from hf_deltakv.registry import build_cache
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = SHAPES[shape]
     config = LlamaConfig(vocab_size=32000, hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
@@ -205,41 +208,55 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    speeds = {}
+    speeds, errors = {}, {}
     for name in args.e2e_caches.split(","):
-        if name == "dynamic":
-            cache = DynamicCache(config=config)
-        elif name == "residual":
-            cache = _residual_cache(model, cfg)
-        else:
-            cache = build_cache(name, model)
-        g = torch.Generator(device=args.device).manual_seed(0)
-        positions = torch.arange(context, device=args.device)[None]
-        for layer in range(cfg["layers"]):  # the history, a layer at a time (its cost is its size)
-            shape_kv = (1, cfg["kv_heads"], context, cfg["head_dim"])
-            keys = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
-            values = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
-            cache.update(keys, values, layer, position_ids=positions)
-            stored = cache.layers[layer]
-            if hasattr(stored, "key_codec"):
-                stored.key_codec.flush()  # (a prefill's attention would have coded the groups)
-            if hasattr(stored, "read_done"):
-                stored.read_done()  # (what a prefill's attention leaves: eviction, a sliding window)
-        token = torch.tensor([[11]], device=args.device)
-        model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
-        _sync(args.device)
-        start = time.perf_counter()
-        for _ in range(args.new):
-            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        _sync(args.device)
-        speeds[name] = args.new / (time.perf_counter() - start)
-        del cache
+        try:
+            speeds[name] = _decode_speed(name, model, config, cfg, context, args)
+        except Exception as error:  # recorded, and the other caches still run
+            errors[name] = f"{type(error).__name__}: {error}"[:500]
+            print(f"end to end, {shape} @ {context}, {name}: {errors[name]}", file=sys.stderr, flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     del model
     base = speeds.get("dynamic")
-    return {"shape": shape, "context": context, "tokens_per_s": speeds,
+    return {"shape": shape, "context": context, "tokens_per_s": speeds, "errors": errors,
             "vs_dynamic": {n: v / base for n, v in speeds.items()} if base else None}  # fmt: skip
+
+
+def _decode_speed(name: str, model, config, cfg: dict, context: int, args: argparse.Namespace) -> float:
+    """Tokens/s of `--new` greedy steps of `model` over a history of `context` random tokens in cache `name`."""
+    from transformers import DynamicCache
+
+    from hf_deltakv.registry import build_cache
+
+    dtype = next(model.parameters()).dtype
+    if name == "dynamic":
+        cache = DynamicCache(config=config)
+    elif name == "residual":
+        cache = _residual_cache(model, cfg)
+    else:
+        cache = build_cache(name, model)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    positions = torch.arange(context, device=args.device)[None]
+    for layer in range(cfg["layers"]):  # the history, a layer at a time (its cost is its size)
+        shape_kv = (1, cfg["kv_heads"], context, cfg["head_dim"])
+        keys = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
+        values = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
+        cache.update(keys, values, layer, position_ids=positions)
+        stored = cache.layers[layer]
+        flush = getattr(getattr(stored, "key_codec", None), "flush", None)
+        if flush is not None:
+            flush()  # (a prefill's attention would have coded the groups)
+        if hasattr(stored, "read_done"):
+            stored.read_done()  # (what a prefill's attention leaves: eviction, a sliding window)
+    token = torch.tensor([[11]], device=args.device)
+    model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
+    _sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.new):
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    _sync(args.device)
+    return args.new / (time.perf_counter() - start)
 
 
 def _residual_cache(model, cfg: dict):
@@ -253,6 +270,14 @@ def _residual_cache(model, cfg: dict):
                             latent_dim=stream, bits=[[4] * (2 * stream // 32)] * cfg["layers"])  # fmt: skip
     compressor = ResidualCompressor(config).to(next(model.parameters()).device)
     return ResidualKVCache(model=model, compressor=compressor)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda or "", "hip": torch.version.hip or ""}  # fmt: skip
 
 
 def _sync(device: str) -> None:
@@ -285,7 +310,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     shapes = args.shapes.split(",")
-    rows = [run(int(c), shape, args) for shape in shapes for c in args.contexts.split(",")]
+    rows, e2e = [], []
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+
+    def write() -> None:  # after every row: a lease that ends early still leaves what was measured
+        result = {"config": {**vars(args), "device_name": device_name, "host": machine(), "versions": _versions(),
+                             "seconds": round(time.perf_counter() - started)},
+                  "rows": rows, "end_to_end": e2e, "predicted": predicted}  # fmt: skip
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+    for shape in shapes:
+        for c in args.contexts.split(","):
+            rows.append(run(int(c), shape, args))
+            write()
     print(
         "| shape | context | fp16 SDPA (ms) | default delta (ms) | speedup | q4_0 (ms) | speedup | delta keys=token "
         "(ms) | speedup | max error default / q4_0 / token |"
@@ -293,25 +330,24 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         a, p, t = r["adaptive"], r["plain"], r["token"]
+        if any("error" in case for case in (a, p, t)):
+            print(f"| {r['shape']} | {r['context']} | {r['sdpa_fp16_ms']:.3f} | failed: see the JSON |")
+            continue
         print(f"| {r['shape']} | {r['context']} | {r['sdpa_fp16_ms']:.3f} | {a['ms']:.3f} "
               f"| {a['speedup_vs_sdpa']:.2f}x "
               f"| {p['ms']:.3f} | {p['speedup_vs_sdpa']:.2f}x | {t['ms']:.3f} | {t['speedup_vs_sdpa']:.2f}x "
               f"| {a['max_error_vs_reference']:.1e} / {p['max_error_vs_reference']:.1e} / "
               f"{t['max_error_vs_reference']:.1e} |")  # fmt: skip
-    e2e = []
     if args.e2e:
-        for shape in shapes:
-            for c in args.e2e_contexts.split(","):
+        for c in args.e2e_contexts.split(","):  # every shape at the shortest context first
+            for shape in shapes:
                 e2e.append(end_to_end(shape, int(c), args))
+                write()
                 r = e2e[-1]
                 ratio = r["vs_dynamic"] or {}
                 cells = [f"{n} {v:.1f} tok/s ({ratio.get(n, float('nan')):.2f}x)" for n, v in r["tokens_per_s"].items()]
                 print(f"end to end, {shape} @ {c}: " + ", ".join(cells), flush=True)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"config": {**vars(args), "device_name": device_name, "host": machine(),
-                         "seconds": round(time.perf_counter() - started)},
-              "rows": rows, "end_to_end": e2e, "predicted": predicted}  # fmt: skip
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write()
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

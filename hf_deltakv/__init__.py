@@ -1,5 +1,6 @@
 """hf_deltakv: compressed KV caches for HuggingFace transformers, with real packed storage."""
 
+from . import _compat  # noqa: F401  (first: a transformers too old to serve stops the import, saying why)
 from .attention import HistoryDecodedWarning
 from .cache import (
     CompressedKVCache,
