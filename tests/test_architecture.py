@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_deltakv"
 
 # Rank of every top-level unit: a unit may import only units of a lower rank.
 RANKS = {
+    "_compat": 0,  # what the installed libraries must offer (checked at import)
     "quant": 0,  # block formats as data, packing, reference quantizers, byte counting
     "rope": 0,  # undo/redo a model's RoPE
     "attention": 0,  # the glue between transformers' attention and a cache layer (duck-typed)
