@@ -8,7 +8,7 @@ the dispatch the model uses (`kernels.stream_attention`): the default `DeltaKVCa
 per-channel keys coded before RoPE, RoPE re-applied in the kernel, rotated q4_0 values with searched scales, 4 raw
 sinks: `triton/adaptive_attention.py`), q4_0 keys and values (QuantizedKVCache), and the token-delta layout of
 `DeltaKVCache(keys="token")`. With `--e2e`, end-to-end decode tokens/s of random-weight models of both shapes (no
-hub), DynamicCache against the caches of `--e2e-caches` (ours and the eviction baselines; `residual` on request): the
+hub), DynamicCache against the caches of `--e2e-caches` (ours, the token-delta variant and the eviction baselines): the
 history is filled by each layer's `update` with random keys and values (decoding's cost depends on the history's size,
 not its content; a real prefill at 128K would take minutes), then `--new` greedy steps are timed. Written to
 benchmarks/results/gpu_decode.json with the device's name.
@@ -190,7 +190,7 @@ def _case(q, k, v, scale, args, layout: str) -> dict:
     return {"fused": fused, "error": error, "bytes": read}
 
 
-E2E_CACHES = "dynamic,delta,delta-no-model,q4_0,q8_0,kivi-pre-rope,streaming-llm,snapkv,residual"
+E2E_CACHES = "dynamic,delta,delta-no-model,q4_0,q8_0,kivi-pre-rope,streaming-llm,snapkv,residual,delta:keys=token"
 
 
 @torch.no_grad()
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e", action="store_true", help="also end-to-end decode tokens/s of both shapes")
     parser.add_argument("--e2e-contexts", default="8192,131072")
     parser.add_argument("--new", type=int, default=16, help="decoded tokens timed end to end")
-    parser.add_argument("--e2e-caches", default=E2E_CACHES, help="registry names timed end to end (and 'residual')")
+    parser.add_argument("--e2e-caches", default=E2E_CACHES, help="registry specs timed end to end (and 'residual')")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     predicted = predicted_rows()

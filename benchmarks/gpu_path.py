@@ -20,9 +20,10 @@ exists, else the PyTorch reference, never C++), run here on CPU tensors under Tr
   (`MemoryTracker`; on the GPU path the kernels' bodies are skipped: they allocate nothing).
 Written to benchmarks/results/gpu_path.json; docs/results.md shows the tables.
 
-    python benchmarks/gpu_path.py                                   # every registry cache, 200 and 4,096 tokens
+    python benchmarks/gpu_path.py                                   # every registry cache and VARIANTS, 200, 4,096
     python benchmarks/gpu_path.py --caches delta --lengths 200 --steps 4 --no-bytes
     python benchmarks/gpu_path.py --only-chunks                     # the chunked steps only, into the JSON
+    python benchmarks/gpu_path.py --caches delta:keys=token --merge # one cache's rows, into the JSON
 
 The tests hold the budgets (tests/test_gpu_path.py): `BUDGET`, `BYTES_BUDGET`, `PREFILL_BUDGET` below.
 """
@@ -48,6 +49,7 @@ BUDGET = {"launches": 8, "coding_launches": 16, "syncs": 0}
 BYTES_BUDGET = 1.15  # distinct bytes a decoding step's programs load, over the layers' storage + queries + outputs
 PREFILL_BUDGET = 2.0  # a prefill's transient memory over the layer's fp16 keys and values
 LENGTHS = (200, 4096)
+VARIANTS = ["delta:keys=token"]  # caches outside the registry with kernels of their own, counted with it
 BYTES_OTHERS_LENGTH = 1024  # the other caches' bytes read are measured at this length (interpreted: ~10 s each)
 
 
@@ -298,18 +300,26 @@ def _slim(row: dict) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def counted_caches() -> list[str]:
+    """The caches the table counts: the registry's (transformers' own quantized ones need optional backends) and
+    `VARIANTS`."""
     from hf_deltakv.registry import CACHES
 
+    return [n for n, e in CACHES.items() if e.available() and not n.startswith("hf-")] + VARIANTS
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default = ",".join(n for n, e in CACHES.items() if e.available() and not n.startswith("hf-"))
-    parser.add_argument("--caches", default=default)
+    parser.add_argument("--caches", default=",".join(counted_caches()))
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--steps", type=int, default=34, help="decoding steps (34: a coding step at any length)")
     parser.add_argument("--no-bytes", action="store_true", help="skip the bytes-read measurement (minutes at 4K)")
     parser.add_argument("--out", default=str(RESULTS / "gpu_path.json"))
     parser.add_argument("--only-chunks", action="store_true",
                         help="count the chunked steps only, into the existing JSON (the rest kept)")  # fmt: skip
+    parser.add_argument("--merge", action="store_true",
+                        help="the rows of --caches replace theirs in the existing JSON (the rest kept, prefill "
+                             "memory and the default cache's bytes not remeasured)")  # fmt: skip
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = tiny_llama()
@@ -333,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec} @ {length}: {row['launches']} launches ({row['coding_launches']} coding), {row['syncs']} "
                   f"syncs, {row['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     print(markdown(rows))
+    if args.merge:
+        return _merge(args.out, args.caches.split(","), rows, chunks, args.no_bytes)
     cases = [(2048, "triton"), (2048, "auto"), (32768, "triton")]  # (the CPU path at 32K: ~10 minutes)
     memory = [prefill_memory(n, path=p) for n, p in cases]
     for m in memory:
@@ -353,6 +365,25 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1)
         f.write("\n")
     print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _merge(out: str, specs: list[str], rows: list[dict], chunks: list[dict], no_bytes: bool) -> int:
+    """`rows`, `chunks` and (unless `no_bytes`) the bytes read of `specs` in place of theirs in the JSON at `out`."""
+    with open(out) as f:
+        result = json.load(f)
+    keep = lambda entries: [e for e in entries if e["cache"] not in specs]  # noqa: E731
+    result["rows"] = keep(result["rows"]) + rows
+    result["chunk_rows"] = keep(result["chunk_rows"]) + chunks
+    if not no_bytes:
+        others = [bytes_read(BYTES_OTHERS_LENGTH, spec) for spec in specs if spec not in ("dynamic", "delta")]
+        for other in others:
+            print(f"bytes read by a decoding step of {other['cache']} at {BYTES_OTHERS_LENGTH}: {other['ratio']:.3f}x")
+        result["bytes_read_others"] = keep(result["bytes_read_others"]) + others
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(f"merged {', '.join(specs)} into {out}", file=sys.stderr)
     return 0
 
 

@@ -333,11 +333,13 @@ def gpu_path_tables() -> None:
               "wrote):\n")  # fmt: skip
         print(markdown(chunks))
     print(
-        "\nNot served by Triton kernels yet (the PyTorch reference runs there on GPUs, launches and syncs as above "
-        'do not hold): `DeltaKVCache(keys="token")` (its attention kernel copies the packed history at every '
-        "call, reads ~20x its bytes and merges the sinks in PyTorch; its encoder's groups are coded in Triton), "
+        '\n`delta:keys=token` (`DeltaKVCache(keys="token")`, outside the registry) is counted with it: a '
+        "step's tokens are coded in one kernel (RoPE undone, rotated, keyframe or closed-loop delta, running "
+        "mean) and attention rebuilds the keys from keyframes and deltas in registers. Not served by Triton "
+        "kernels yet (the PyTorch reference runs there on GPUs, launches and syncs as above do not hold): "
         "`ResidualKVCache` with references (`stride` > 0; the built-in compressor has none), chunks of more "
-        "than 64 queries (a prefill: the history decoded into the attention's dtype in one kernel, then SDPA)."
+        "than 64 queries (a prefill: the history decoded into the attention's dtype in one kernel, then "
+        "SDPA), and a token-delta chunk of more than 64 tokens after the prompt (coded by whole groups)."
     )
     read = result.get("bytes_read")
     if read:

@@ -85,7 +85,8 @@ def recording(sink: list, label: list):
 def launches(quick: bool = False) -> list[Launch]:
     """Every configuration the dispatch sends to a Triton kernel (`quick`: each format, head dim and option once,
     the others varied alongside), recorded from the launchers on CPU tensors."""
-    from hf_deltakv.codecs import ChannelGroupCodec, DeltaCodec, PlainCodec, RotatedCodec
+    from hf_deltakv import kernels
+    from hf_deltakv.codecs import ChannelGroupCodec, PlainCodec, RotatedCodec
     from hf_deltakv.kernels.layout import KeptStream, LatentCoder, LatentStream, RopeAngles
     from hf_deltakv.kernels.triton import (
         adaptive_attention,
@@ -155,22 +156,28 @@ def launches(quick: bool = False) -> list[Launch]:
             rows = tail.unflatten(2, (1, 32)).transpose(3, 4).reshape(1, 2, dim, 32)
             target = QuantizedTensor.empty(get_format(kfmt), (1, 2, 3, dim), 32, "cpu").map(lambda t: t.flatten(2, 3))
             append.quantize_at(rows, kfmt, False, target, dim)
-        for vfmt, dim, group, rope, masked in product(("q4_0", "q8_0"), HEAD_DIMS, GROUPS, (False, True), (True,)):
-            label[0] = f"delta keys, {vfmt} values, head_dim {dim}, {group} queries per kv head, RoPE {rope}"
-            keys = RotatedCodec(DeltaCodec(kf=32, delta_format="q4_0_16", keyframe_format="q8_0",
-                                           reference="previous", intra=True, mean_reference=True))  # fmt: skip
+        token_delta = (("q4_0", "q8_0"), HEAD_DIMS, GROUPS, (False, True), (False, True), ("q4_0_16", "q4_0"))
+        for vfmt, dim, group, rope, masked, dfmt in product(*token_delta):
+            label[0] = (f"token-delta keys ({dfmt} deltas), {vfmt} values, head_dim {dim}, {group} queries per kv "
+                        f"head, RoPE {rope}, mask {masked}")  # fmt: skip
+            keys = _token_delta_codec(dfmt)
             values = RotatedCodec(PlainCodec(vfmt))
             keys.append(torch.randn(1, 2, 70, dim, generator=g))
             values.append(torch.randn(1, 2, 70, dim, generator=g))
-            cos = sin = None
-            if rope:
-                freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
-                cos, sin = RopeAngles(torch.arange(70, dtype=torch.int32)[None], freqs).cos_sin()
-                cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-            mask = torch.ones(1, 72, dtype=torch.bool) if masked else None
+            freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+            angles = RopeAngles(torch.arange(70, dtype=torch.int32)[None], freqs) if rope else None
+            mask = torch.ones(1, 1, 72, dtype=torch.bool) if masked else None
             query = torch.randn(1, 2, group, dim, generator=g)
-            if delta_attention.supports(keys.layout(), values.layout()):  # what the dispatch sends
-                delta_attention.delta_attention(query, keys.layout(), values.layout(), cos, sin, mask, 2, 0.1)
+            sinks = torch.randn(1, 2, 2, dim, generator=g).to(torch.float16)
+            if delta_attention.supports(keys.layout(), values.layout(), mask):  # what the dispatch sends
+                delta_attention.delta_attention(query, sinks, sinks, keys.layout(), values.layout(), angles, mask, 0.1)
+            label[0] = f"token-delta keys ({dfmt} deltas), head_dim {dim}, a decoding step's token, RoPE {rope}"
+            inner = keys.inner
+            rows = kernels.DeltaRows(inner.keyframes, 0, inner.deltas, 0, inner.means, 0, 70, 32, True, True)
+            turn = (torch.arange(70, 70 + group)[None], freqs, torch.arange(dim) if masked else None) if rope else None
+            delta_encode.delta_tokens(torch.randn(1, 2, group, dim, generator=g).to(torch.bfloat16), turn,
+                                      min(dim, 128), inner.reference_state, inner.running_sum, inner.means[:, :, 0],
+                                      rows)  # fmt: skip
         for dim, group, dtype, rope, masked, kf in product(HEAD_DIMS, GROUPS, INPUT_DTYPES, (True, False),
                                                           (False, True), (32, 16, 64, 8)):  # fmt: skip
             label[0] = (f"adaptive keys (groups of {kf}), rotated q4_0 values, head_dim {dim}, {group} queries per kv "
@@ -263,7 +270,8 @@ def launches(quick: bool = False) -> list[Launch]:
             mask = torch.ones(1, 1, 64, dtype=torch.bool) if masked else None
             parts = [(window[:, :, :8], window[:, :, :8], 0), (window[:, :, :16], window[:, :, :16], 48)]
             residual.latent_stream_attention(query, parts, codes, coder, angles, order, 8, mask, 0.1)
-        chunks = (("adaptive", 64), ("q4_0", 128), ("kivi", 64), ("kept", 64), ("residual", 64), ("adaptive", 256))
+        chunks = (("adaptive", 64), ("q4_0", 128), ("kivi", 64), ("kept", 64), ("residual", 64), ("adaptive", 256),
+                  ("token-delta", 128))  # fmt: skip
         for (kind, dim), n, masked in product(chunks, (8, 64), (False, True)):  # chunks of queries (grid axis 2)
             label[0] = f"a chunk of {n} queries, {kind} keys, head_dim {dim}, 4 queries per kv head, mask {masked}"
             query = torch.randn(1, n, 8, dim, generator=g).transpose(1, 2).unflatten(1, (2, 4))  # as transformers
@@ -285,6 +293,13 @@ def launches(quick: bool = False) -> list[Launch]:
                 values.append(torch.randn(1, 2, 70, dim, generator=g))
                 decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), None, mask, 0.1,
                                                  None, n, 10)  # fmt: skip
+            elif kind == "token-delta":
+                keys = _token_delta_codec("q4_0_16")
+                keys.append(torch.randn(1, 2, 70, dim, generator=g))
+                values = RotatedCodec(PlainCodec("q4_0"))
+                values.append(torch.randn(1, 2, 70, dim, generator=g))
+                delta_attention.delta_attention(query, sinks, sinks, keys.layout(), values.layout(), None, mask, 0.1,
+                                                n, 10)  # fmt: skip
             elif kind == "kept":
                 slots = torch.zeros(1, 2, 50, dim, dtype=torch.float16)
                 stream = KeptStream(slots, slots, torch.arange(50, dtype=torch.int32).expand(1, 2, 50), 3, 40)
@@ -304,6 +319,14 @@ def launches(quick: bool = False) -> list[Launch]:
             x = torch.randn(2, 64, generator=g).to(dtype)
             sparse_matvec.sparse_matvec(x, wt, torch.randn(96).to(dtype) if bias else None, None, 0.0)
     return sink
+
+
+def _token_delta_codec(delta_format: str):
+    """`DeltaKVCache(keys="token")`'s key codec: rotated, q8_0 keyframes every 32 tokens, mean references, intra."""
+    from hf_deltakv.codecs import DeltaCodec, RotatedCodec
+
+    return RotatedCodec(DeltaCodec(kf=32, delta_format=delta_format, keyframe_format="q8_0", reference="previous",
+                                   intra=True, mean_reference=True))  # fmt: skip
 
 
 def _adaptive_rows(group: int, dim: int, rows: int) -> tuple[torch.Tensor, ...]:

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_path
 
-OURS = [name for name, entry in CACHES.items() if entry.cls.__module__.startswith("hf_deltakv")]
+# Every registry cache of ours, and the variants that take kernels of their own (`gpu_path.VARIANTS`)
+OURS = [name for name, entry in CACHES.items() if entry.cls.__module__.startswith("hf_deltakv")] + gpu_path.VARIANTS
 # Logits of the GPU path against the reference path's, same tokens fed: the kernels' fp32 sums run in another order
 # (attention ~1e-6), RoPE's angles are fp32 polynomials (~2e-7), and a group's clipped range is chosen by a sum over
 # its tokens taken in another order: where two candidates tie to the last bit another range may code the group
@@ -108,7 +109,7 @@ def _generated_on_both_paths(model, ids, mask, new: int, make, monkeypatch) -> N
 
 
 # A kind of kernel each (the plain and KIVI-style ones: tests/test_kernels_adaptive_triton.py's chunks)
-CHUNKED = ["delta", "snapkv", "residual"]
+CHUNKED = ["delta", "snapkv", "residual", *gpu_path.VARIANTS]
 
 
 @pytest.mark.parametrize("name", CHUNKED)
@@ -197,7 +198,7 @@ def test_the_default_cache_decodes_within_its_launch_and_sync_budget():
 # Registry caches whose decoding step still runs PyTorch over the whole history on the GPU path (issue 42): eviction
 # gathers and concatenates its fp16 history at every step. Strict: the test fails once they hold the budget.
 NOT_YET: set[str] = set()
-COUNTED = [n for n, e in CACHES.items() if e.available() and not n.startswith("hf-")]
+COUNTED = gpu_path.counted_caches()
 
 
 def _mark(name: str):

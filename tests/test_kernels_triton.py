@@ -241,17 +241,73 @@ def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, op
 
 
 @pytest.mark.parametrize(
-    ("kf", "dim", "tokens", "rotate", "rope", "intra", "values", "masked", "per_split"),
+    ("options", "dim", "rope", "rotation", "strided"),
     [
-        (16, 32, 45, True, True, True, "q4_0", True, 1),
-        (16, 64, 77, False, True, True, "q8_0", False, None),
-        (32, 32, 70, True, False, False, "q4_1", False, 2),
-        (16, 32, 16, True, True, True, "q4_0", False, None),
+        ({"kf": 8}, 64, "rope", 64, True),  # the default's keys: RoPE undone, rotated, mean references, intra
+        ({"kf": 16, "delta_format": "q4_0_16"}, 32, "order", 32, False),
+        ({"kf": 4, "intra": False}, 64, None, 0, True),
+        ({"kf": 8, "reference": "keyframe", "mean_reference": False}, 32, "rope", 0, False),
     ],
 )
-def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, intra, values, masked, per_split):
-    """The delta cache's fused decode attention (segmented scan, un-rotation and RoPE in the tile) against
-    `reference.stream_attention` on the same storage (sinks masked out, so both see the stream only)."""
+def test_delta_tokens_kernel_stores_the_reference_bytes(monkeypatch, options, dim, rope, rotation, strided):
+    """Decoding steps of the token-delta codec in one kernel each (`kernels.delta_tokens`): RoPE undone, rotated, the
+    running sum and its mean snapshots, keyframes and closed-loop deltas written into the storage's room; steps of
+    one token and chunks, across keyframes and snapshots, give the bytes the reference gives (the same rounding)."""
+    import hf_deltakv.kernels
+    from hf_deltakv.kernels.hadamard import rotate
+    from hf_deltakv.kernels.triton import delta_encode
+
+    launches = []
+    kernel = delta_encode.delta_tokens
+    monkeypatch.setattr(delta_encode, "delta_tokens", lambda *args: launches.append(1) or kernel(*args))
+    g = torch.Generator().manual_seed(dim + options["kf"])
+    prompt, chunks = 21, [1, 2, 1, 9, 1, 14, 1, 16]  # crosses keyframes and the snapshots at 32 and 64 tokens
+    steps = sum(chunks)
+    x = (torch.randn(2, 3, prompt + steps, dim, generator=g, dtype=torch.float64).cumsum(2) / 4).to(torch.bfloat16)
+    if strided:  # heads inside tokens, as the model's projection leaves them
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    positions = torch.arange(prompt + steps)[None].repeat(2, 1) + torch.tensor([[0], [7]])
+    freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+    order = torch.randperm(dim, generator=g) if rope == "order" else None
+    turn = lambda a, b: None if rope is None else (positions[:, a:b], freqs, order)  # noqa: E731
+    codecs = []
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
+            monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
+        codec = delta_codec(**options)
+        undone = x[:, :, :prompt].float() if rope is None else reference.undo_rope(x[:, :, :prompt], *turn(0, prompt))
+        codec.append(rotate(undone) if rotation else undone)
+        sizes = chunks if fused else [1] * steps  # (the reference path a token at a time)
+        at = prompt
+        for size in sizes:
+            codec.append_turned(x[:, :, at : at + size], turn(at, at + size), rotation)
+            at += size
+        codecs.append(codec)
+    plain, fused = codecs
+    assert len(launches) == len(chunks)  # every step in the kernel
+    for name in ("keyframes", "deltas"):
+        a, b = getattr(plain, name), getattr(fused, name)
+        assert torch.equal(a.codes, b.codes), name
+        assert torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16)), name
+    for name in ("reference_state", "running_sum", "means"):
+        a, b = getattr(plain, name), getattr(fused, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+@pytest.mark.parametrize(
+    ("kf", "dim", "tokens", "rotate", "rope", "intra", "values", "masked", "per_split", "n"),
+    [
+        (16, 32, 45, True, "rope", True, "q4_0", True, 1, 1),
+        (16, 64, 77, False, "rope", True, "q8_0", False, None, 1),
+        (32, 32, 70, True, None, False, "q4_1", False, 2, 1),
+        (16, 32, 16, True, "rope-gaps", True, "q4_0", False, None, 1),
+        (16, 128, 40, True, "rope", True, "q4_0", True, None, 5),  # a chunk of 5 queries
+    ],
+)
+def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, intra, values, masked, per_split, n):
+    """The token-delta cache's decoding attention (segmented scan, un-rotation by butterflies, RoPE from the
+    positions, the storage read through its strides, the sinks merged) against `reference.stream_attention`."""
     from hf_deltakv.kernels.triton.delta_attention import delta_attention, supports
 
     torch.manual_seed(tokens + dim)
@@ -269,23 +325,19 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
         key_codec.append(x[:, :, t : t + 1])
     value_codec.append(v)
     keys, stored = key_codec.layout(), value_codec.layout()
-    assert supports(keys, stored)
-    query = torch.randn(batch, kv_heads, group, dim, dtype=torch.bfloat16).float()
-    angles = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(1)) if rope else None
-    cos = sin = None
-    if rope:  # the kernel reads full-width tables; the dispatch builds them from the positions
-        cos, sin = (torch.cat([t, t], -1) for t in angles.cos_sin())
     sinks = 2
-    mask = torch.ones(batch, 1, sinks + tokens, dtype=torch.bool)
-    mask[:, :, :sinks] = False
+    mask = None
     if masked:
+        mask = torch.ones(n, sinks + tokens, dtype=torch.bool).tril(sinks + tokens - n).expand(batch, n, -1).clone()
         mask[0, :, sinks : sinks + 5] = False
+    assert supports(keys, stored, mask, n)
+    query = torch.randn(batch, kv_heads, group * n, dim, dtype=torch.bfloat16).float()
+    angles = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(1), rope) if rope else None
     sink_kv = torch.randn(batch, kv_heads, sinks, dim)
-    expected = reference.stream_attention(
-        query, sink_kv, sink_kv, keys, stored, angles, mask, 1, sinks + tokens - 1, 0.2
-    )
-    acc, _, total = delta_attention(query, keys, stored, cos, sin, mask[:, 0], sinks, 0.2, per_split)
-    torch.testing.assert_close(acc / total[..., None], expected, atol=1e-4, rtol=1e-4)
+    args = (query, sink_kv, sink_kv, keys, stored, angles, mask)
+    expected = reference.stream_attention(*args, n, sinks + tokens - n, 0.2)
+    got = delta_attention(*args, 0.2, n, sinks + tokens - n, per_split)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("keys_kind", ["delta", "plain"])

@@ -42,6 +42,11 @@ class StreamCodec(ABC):
         rotate inside their kernel take `x` as it is."""
         self.append(rotate(x))
 
+    def append_turned(self, x: torch.Tensor, turn: tuple | None, rotation: int) -> None:
+        """`append_rotated` of new tokens as the model gives them, turned back by their RoPE first (`turn`, as
+        `append_model` takes it): what `RotatedCodec.append_model` asks; codecs that do both in a kernel override it."""
+        self.append_rotated(x if turn is None else kernels.undo_rope(x.float(), *turn), rotation)
+
     @abstractmethod
     def layout(self) -> kernels.StreamLayout:
         """The packed storage as the ops read it (only once something is stored)."""

@@ -19,12 +19,14 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..kernels.hadamard import rotate
 from ..kernels.layout import SNAPSHOTS
 from ..kernels.reference import long_term_reference
 from ..quant import QuantizedTensor, dequantize, get_format, quantize, saturate_fp16
-from .base import StreamCodec, append_along_seq
+from .base import StreamCodec
 
 REFERENCES = ("previous", "keyframe")
+STEP_TOKENS = 64  # new tokens up to this many are coded one after the other (a decoding step's, a chunk's)
 MAX_KF = 4096  # a prefill codes whole keyframe groups: memory and time grow with kf, so it is bounded
 
 
@@ -80,9 +82,24 @@ class DeltaCodec(StreamCodec):
         points = [p for p in range(start + 1, end + 1) if SNAPSHOTS.count(p) > SNAPSHOTS.count(p - 1)]
         if points:
             sums = before + x.cumsum(dim=2)  # sums[:, :, i] = sum of tokens < start + i + 1
-            snaps = saturate_fp16(torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2))
-            self.means = append_along_seq(self.means, snaps)
+            self._store("means", saturate_fp16(torch.stack([sums[:, :, p - start - 1] / p for p in points], dim=2)))
         self.running_sum = before + (x if x.shape[2] == 1 else x.sum(dim=2, keepdim=True))
+
+    def _store(self, name: str, new: QuantizedTensor | torch.Tensor) -> None:
+        """Rows `new` appended to state `name`, written into its buffer's room (grown when short: `_reserve`)."""
+        packed = isinstance(new, QuantizedTensor)
+        first = new.codes if packed else new
+        rows = first.shape[2]
+
+        def make(count: int) -> QuantizedTensor | torch.Tensor:
+            lead = (*first.shape[:2], count)
+            if packed:
+                return QuantizedTensor.empty(new.fmt, lead, new.dim, first.device)
+            return first.new_empty(*lead, *first.shape[3:])
+
+        target, at = self._reserve(name, rows, make)
+        kernels.reference.write_rows(target, new, at)
+        self._commit_rows(name, rows)
 
     def _snapshot_index(self, position: int) -> int:
         """Index in `means` of the long-term reference of the token at `position` (-1: none yet, zero reference);
@@ -126,15 +143,30 @@ class DeltaCodec(StreamCodec):
         )
         return stacked, recon.view(batch, heads, groups, kf, dim)
 
+    def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
+        self.append_turned(x, turn, 0)
+
+    def append_rotated(self, x: torch.Tensor, rotation: int) -> None:
+        self.append_turned(x, None, rotation)
+
+    def append_turned(self, x: torch.Tensor, turn: tuple | None, rotation: int) -> None:
+        """New tokens as the model gives them, turned back by their RoPE (`turn`) and rotated (`rotation`): a decoding
+        step's tokens in one op (`kernels.delta_tokens`: one kernel on GPUs), a prefill's through `append`."""
+        if x.shape[2] <= STEP_TOKENS and self.keyframes is not None:
+            self._append_steps(x, turn, rotation)
+            return
+        x = x.float() if turn is None else kernels.undo_rope(x.float(), *turn)
+        self.append(rotate(x) if rotation else x)
+
     def append(self, x: torch.Tensor) -> None:
         batch, heads, new, dim = x.shape
         kf, start = self.kf, self.length % self.kf
         x = x.float()
+        if new <= STEP_TOKENS and self.keyframes is not None:
+            self._append_steps(x, None, 0)
+            return
         if self.mean_reference:
             self._take_snapshots(x)
-        if new == 1 and self.keyframes is not None:
-            self._append_token(x[:, :, 0])
-            return
         groups = (start + new + kf - 1) // kf
         slots = torch.zeros(batch, heads, groups * kf, dim, dtype=torch.float32, device=x.device)
         slots[:, :, start : start + new] = x
@@ -151,7 +183,7 @@ class DeltaCodec(StreamCodec):
             key = quantize(slots[:, :, first_group:, 0], self.keyframe_format)
             recon[:, :, first_group:, 0] = dequantize(key)
             anchor[:, :, first_group:] = recon[:, :, first_group:, 0]
-            self.keyframes = append_along_seq(self.keyframes, key)
+            self._store("keyframes", key)
         stacked = None  # QuantizedTensor [B, H, groups, len(offsets), ...]
         if start == 0 and kf > 1 and self._kernel_block(x) is not None:
             # Whole groups from their keyframes: the fused closed-loop kernel, parallel over streams and groups.
@@ -180,7 +212,7 @@ class DeltaCodec(StreamCodec):
             offset_index = torch.tensor(list(offsets), device=x.device)
             position = (torch.arange(groups, device=x.device)[:, None] * kf + offset_index).flatten()
             keep = torch.nonzero((position >= start) & (position < start + new)).squeeze(1)
-            self.deltas = append_along_seq(self.deltas, flat.map(lambda t: t.index_select(2, keep)))
+            self._store("deltas", flat.map(lambda t: t.index_select(2, keep)))
 
         end = start + new - 1
         if self.reference == "keyframe":
@@ -189,26 +221,37 @@ class DeltaCodec(StreamCodec):
             self.reference_state = recon.view(batch, heads, groups * kf, dim)[:, :, end : end + 1].clone()
         self.length += new
 
-    def _append_token(self, x: torch.Tensor) -> None:
-        """One decoded token `[B, H, D]` after the first: the same arithmetic as the general path of `append` (same
-        bytes, tested), without its whole-group scaffolding, which dominates the cost of a decoding step; on the
-        CPU through the compiled encode kernels (`kernels.quantize`, `kernels.code_delta`)."""
-        offset = self.length % self.kf
-        if offset == 0:
-            key = kernels.quantize(x, self.keyframe_format)
-            self.keyframes = append_along_seq(self.keyframes, key.map(lambda t: t.unsqueeze(2)))
-            self.reference_state = dequantize(key).unsqueeze(2)
-        else:
-            base = self.reference_state[:, :, 0]
-            long_term = base  # not read without intra
-            if self.intra:
-                index = self._snapshot_index(self.length)
-                long_term = self.means[:, :, index].float() if index >= 0 else torch.zeros_like(x)
-            q, recon = kernels.code_delta(x, base, long_term, self.delta_format, self.intra)
-            self.deltas = append_along_seq(self.deltas, q.map(lambda t: t.unsqueeze(2)))
-            if self.reference == "previous":
-                self.reference_state = recon.unsqueeze(2)
-        self.length += 1
+    def _append_steps(self, x: torch.Tensor, turn: tuple | None, rotation: int) -> None:
+        """New tokens `[B, H, n, D]` after the first keyframe (as the model gives them: `turn` and `rotation` as
+        `append_turned` takes them), coded one after the other as `append` codes them (same bytes, tested) without its
+        whole-group scaffolding, in one op (`kernels.delta_tokens`) writing into the room of the storage."""
+        batch, heads, new, dim = x.shape
+        keys, deltas, snaps = kernels.DeltaRows.counts(self.length, new, self.kf, SNAPSHOTS, self.mean_reference)
+
+        def room(fmt: str):
+            return lambda rows: QuantizedTensor.empty(get_format(fmt), (batch, heads, rows), dim, x.device)
+
+        key_rows, key_at = self._reserve("keyframes", keys, room(self.keyframe_format))
+        delta_rows, delta_at = self._reserve("deltas", deltas, room(self.delta_format)) if deltas else (None, 0)
+        means, mean_at = None, 0
+        if snaps:
+            fp16 = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
+            means, mean_at = self._reserve("means", snaps, fp16)
+        long_term = None
+        if self.intra and self.mean_reference and self.means is not None and self.means.shape[2]:
+            index = min(SNAPSHOTS.count(self.length), self.means.shape[2]) - 1  # the newest before these tokens
+            long_term = self.means[:, :, index] if index >= 0 else None
+        rows = kernels.DeltaRows(key_rows, key_at, delta_rows, delta_at, means, mean_at, self.length, self.kf,
+                                 self.reference == "previous", self.intra, SNAPSHOTS)  # fmt: skip
+        running = self.running_sum if self.mean_reference else None
+        self.reference_state, total = kernels.delta_tokens(x, turn, rotation, self.reference_state, running,
+                                                           long_term, rows)  # fmt: skip
+        for name, count in (("keyframes", keys), ("deltas", deltas), ("means", snaps)):
+            if count:
+                self._commit_rows(name, count)
+        if self.mean_reference:
+            self.running_sum = total
+        self.length += new
 
     def truncate(self, tokens: int) -> None:
         """Keep the first `tokens`: codes are cut, and the closed loop continues from the reconstruction of the last

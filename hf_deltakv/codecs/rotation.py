@@ -40,7 +40,7 @@ class RotatedCodec(StreamCodec):
         self.inner.append_rotated(x, rotation_block(x.shape[-1]))
 
     def append_model(self, x: torch.Tensor, turn: tuple | None = None) -> None:
-        self.append(x if turn is None else kernels.undo_rope(x.float(), *turn))
+        self.inner.append_turned(x, turn, rotation_block(x.shape[-1]))
 
     def ensure_room(self, rows: int) -> None:
         self.inner.ensure_room(rows)

@@ -24,6 +24,7 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     decode_into        via decode_stream           | triton/reconstruct.py (adaptive keys, plain values)
     code_delta         cpu/encode.cpp              | -
     delta_encode_groups -                          | triton/delta_encode.py
+    delta_tokens       cpu undo_rope + code_delta  | triton/delta_encode.py (a decoding step's tokens, one launch)
     stream_attention   cpu/stream_attention.cpp    | triton/adaptive_attention.py (adaptive keys + plain values),
                        (plain, delta streams)      |   decode_attention.py (plain keys + plain values: split, then
                                                    |   the adaptive merge), delta_attention.py (delta keys)
@@ -54,6 +55,7 @@ from .hadamard import rotate
 from .layout import (
     AdaptiveStream,
     ChannelStream,
+    DeltaRows,
     DeltaStream,
     KeptStream,
     LatentCoder,
@@ -69,6 +71,7 @@ from .layout import (
 __all__ = [
     "AdaptiveStream",
     "ChannelStream",
+    "DeltaRows",
     "DeltaStream",
     "KeptStream",
     "LatentCoder",
@@ -88,6 +91,7 @@ __all__ = [
     "copy_rows",
     "decode_stream",
     "delta_encode_groups",
+    "delta_tokens",
     "dequantize_latent",
     "encode_latent_into",
     "keep_rows",
@@ -670,6 +674,30 @@ def delta_encode_groups(
 
         return kernel(x, long_term, keyframes, block)
     return reference.delta_encode_groups(x, long_term, keyframes, block)
+
+
+def delta_tokens(
+    x: torch.Tensor,
+    turn: tuple | None,
+    rotation: int,
+    reference_state: torch.Tensor,
+    running_sum: torch.Tensor | None,
+    long_term: torch.Tensor | None,
+    rows: DeltaRows,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.delta_tokens` (new tokens of the token-delta codec: RoPE undone, rotated, coded one after the other
+    with their running mean into storage with room), dispatched: one Triton launch on GPUs (q8_0 keyframes, q4_0
+    deltas of 16 or 32 channels); elsewhere the reference through the dispatched `undo_rope`, `quantize` and
+    `code_delta` (C++ on the CPU). The same bytes (tested)."""
+    dim = x.shape[-1]
+    if use_triton(x.device) and dim >= 32 and not dim & (dim - 1) and x.stride(-1) == 1:
+        from .triton.delta_encode import delta_tokens as kernel
+        from .triton.delta_encode import serves
+
+        if serves(rows) and all(_rows_contiguous(t) for t in (rows.keyframes, rows.deltas) if t is not None):
+            return kernel(x, turn, rotation, reference_state, running_sum, long_term, rows)
+    return reference.delta_tokens(x, turn, rotation, reference_state, running_sum, long_term, rows, undo_rope,
+                                  quantize, code_delta)  # fmt: skip
 
 
 _SPARSE_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16)  # weight dtypes of the C++ sparse_matvec

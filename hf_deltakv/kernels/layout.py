@@ -107,6 +107,37 @@ class DeltaStream:
 
 
 @dataclass(frozen=True)
+class DeltaRows:
+    """Where a delta stream's next tokens are written (`reference.delta_tokens`): storage with room, rows reserved.
+
+    The stream holds `start` tokens; of the new ones, those at a multiple of `kf` are keyframes, written from row
+    `key_at` of `keyframes` on, the others deltas from row `delta_at` of `deltas` (None: none among them). A mean
+    snapshot due once the stream holds t tokens (`snapshots`) goes into `means` (fp16 `[batch, heads, rows, dim]`,
+    None: no mean reference) from row `mean_at` on. `previous`: deltas from the previous token's reconstruction (else
+    from the keyframe's); `intra`: a block may be coded against the long-term reference instead.
+    """
+
+    keyframes: QuantizedTensor
+    key_at: int
+    deltas: QuantizedTensor | None
+    delta_at: int
+    means: torch.Tensor | None
+    mean_at: int
+    start: int
+    kf: int
+    previous: bool
+    intra: bool
+    snapshots: SnapshotSchedule = SNAPSHOTS
+
+    @staticmethod
+    def counts(start: int, new: int, kf: int, snapshots: SnapshotSchedule, means: bool) -> tuple[int, int, int]:
+        """(keyframes, deltas, mean snapshots) among `new` tokens after `start` (`means`: snapshots taken)."""
+        keys = -(-(start + new) // kf) + (-start // kf)  # multiples of kf in [start, start + new): ceil - ceil
+        taken = snapshots.count(start + new) - snapshots.count(start) if means else 0
+        return keys, new - keys, taken
+
+
+@dataclass(frozen=True)
 class ChannelStream:
     """KIVI-style: each channel quantized along the tokens of a group. groups: `[batch, heads, n_groups, dim, ...]`
     (one block of `group` tokens per channel), tail: fp16 `[batch, heads, < group, dim]` not yet grouped."""

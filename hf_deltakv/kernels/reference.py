@@ -16,6 +16,7 @@ from .hadamard import rotate
 from .layout import (
     AdaptiveStream,
     ChannelStream,
+    DeltaRows,
     DeltaStream,
     KeptStream,
     LatentCoder,
@@ -32,6 +33,7 @@ __all__ = [
     "compact_kept",
     "decode_stream",
     "delta_encode_groups",
+    "delta_tokens",
     "dequantize",
     "dequantize_latent",
     "encode_latent_into",
@@ -113,6 +115,61 @@ def code_delta(
     values = dequantize(chosen)
     flags = expand_blocks(block_flags(chosen), block, x.shape[-1])
     return chosen, torch.where(flags, long_term + values, base + values)
+
+
+def delta_tokens(
+    x: torch.Tensor,
+    turn: tuple | None,
+    rotation: int,
+    reference_state: torch.Tensor,
+    running_sum: torch.Tensor | None,
+    long_term: torch.Tensor | None,
+    rows: DeltaRows,
+    undo=None,
+    encode=None,
+    step=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New tokens of a delta stream that already holds its first keyframe (`codecs.delta`: a decoding step's token, a
+    chunk's), coded one after the other into storage with room (`rows`).
+
+    `x` `[batch, heads, n, dim]` as the model gives it is turned back by its RoPE (`turn`: positions `[batch, n]`,
+    float64 frequencies, channel order, or None) and rotated (`hadamard.rotate`, when `rotation`). Token by token: a
+    keyframe is quantized in its format; another token is one closed-loop step (`code_delta`) from `reference_state`
+    (fp32 `[batch, heads, 1, dim]`: the previous token's reconstruction, or its keyframe's) with the long-term
+    reference (`long_term` `[batch, heads, dim]`, the newest mean snapshot; None: zero); then it joins `running_sum`
+    (None: from zero), and a snapshot due is the sum over the tokens held, saturated to fp16, written into `means` and
+    the next tokens' long-term reference. `undo`, `encode` and `step`: the ops used for `undo_rope`, `quantize` and
+    `code_delta` (the dispatched ones on the CPU).
+
+    Returns:
+        the new `reference_state` and running sum, fp32 `[batch, heads, 1, dim]`.
+    """
+    x = x.float() if turn is None else (undo or undo_rope)(x.float(), *turn)
+    x = rotate(x) if rotation else x
+    key_fmt = rows.keyframes.fmt.name
+    total = running_sum[:, :, 0] if running_sum is not None else torch.zeros_like(x[:, :, 0])
+    long = long_term.float() if long_term is not None else torch.zeros_like(x[:, :, 0])
+    base = reference_state[:, :, 0]
+    key_at, delta_at, mean_at = rows.key_at, rows.delta_at, rows.mean_at
+    for i in range(x.shape[2]):
+        token, held = x[:, :, i], rows.start + i
+        if held % rows.kf == 0:
+            coded = (encode or quantize)(token, key_fmt)
+            recon = dequantize(coded)
+            write_rows(rows.keyframes, coded.map(lambda t: t.unsqueeze(2)), key_at)
+            key_at += 1
+        else:
+            coded, recon = (step or code_delta)(token, base, long, rows.deltas.fmt.name, rows.intra)
+            write_rows(rows.deltas, coded.map(lambda t: t.unsqueeze(2)), delta_at)
+            delta_at += 1
+        if held % rows.kf == 0 or rows.previous:
+            base = recon
+        total = total + token
+        if rows.means is not None and rows.snapshots.count(held + 1) > rows.snapshots.count(held):
+            rows.means[:, :, mean_at] = saturate_fp16(total / (held + 1))
+            long = rows.means[:, :, mean_at].float()
+            mean_at += 1
+    return base.unsqueeze(2), total.unsqueeze(2)
 
 
 def delta_encode_groups(

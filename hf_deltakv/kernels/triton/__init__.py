@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from ..layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, RopeAngles, StreamLayout
-from ..online_softmax import OnlineSoftmax
 
 
 def KERNEL_MODULES() -> tuple:
@@ -43,10 +42,9 @@ def stream_attention(
     causal_offset: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """`reference.stream_attention` through the Triton kernel that reads these streams (the adaptive, plain and
-    KIVI-style streams' kernels take up to `common.MAX_QUERIES` queries per head and merge the sink tokens themselves;
-    the delta streams' kernel one query, its sinks merged by the reference's online softmax); None when no kernel reads
-    them."""
+    """`reference.stream_attention` through the Triton kernel that reads these streams (adaptive, plain, KIVI-style or
+    token-delta keys: up to `common.MAX_QUERIES` queries per head, the sink tokens merged by the kernels); None when
+    no kernel reads them."""
     if not isinstance(values, PlainStream):
         return None
     if isinstance(keys, AdaptiveStream):
@@ -63,24 +61,10 @@ def stream_attention(
             return None
         return plain_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, None, n_queries,
                                causal_offset)  # fmt: skip
-    if n_queries != 1 or not isinstance(keys, DeltaStream):
+    if not isinstance(keys, DeltaStream):
         return None
-    query = query.flatten(2, 3) if query.dim() == 5 else query
     from .delta_attention import delta_attention, supports
 
-    if not supports(keys, values):
+    if not supports(keys, values, mask, n_queries):
         return None
-    cos = sin = None
-    if rope is not None:  # full-width tables of this call only (the kernel reads rows of `dim`), on the device
-        cos, sin = rope.cos_sin()
-        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    batch, heads, group, dim = query.shape
-    sinks = sink_keys.shape[2]
-    state = OnlineSoftmax(query.reshape(batch, heads * group, 1, dim), scale, None if mask is None else mask[:, None],
-                          causal_offset + 1)  # fmt: skip
-    if sinks:
-        state.add(sink_keys, sink_values)
-    acc, maximum, total = delta_attention(query, keys, values, cos, sin, None if mask is None else mask[:, 0], sinks,
-                                          scale)  # fmt: skip
-    state.merge(acc[:, :, :, None], maximum[..., None], total[..., None])
-    return state.result().reshape(batch, heads, group, dim)
+    return delta_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, n_queries, causal_offset)

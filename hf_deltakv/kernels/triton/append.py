@@ -118,6 +118,29 @@ def _symmetric_codes(x, peak, OFFSET: tl.constexpr, DIVISORS: tl.constexpr, NB: 
 
 
 @triton.jit
+def _q8_0(x, magnitude, nan, NB: tl.constexpr):
+    """q8_0's codes (int8) and fp32 scale of blocks `x` `[NB, 32]` (`magnitude`: |x|; `nan`: blocks holding a NaN,
+    coded as zeros): absmax / 127, codes rounded half away from zero."""
+    d = tl.minimum(tl.math.div_rn(tl.max(magnitude, axis=1), tl.full((NB,), 127.0, tl.float32)), FP16_MAX)
+    inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
+    scaled = x * inv[:, None]
+    q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5))  # round half away from zero
+    q = tl.where((q == q) & (tl.abs(q) != float("inf")), q, 0.0)
+    return tl.where(nan[:, None], 0.0, tl.minimum(tl.maximum(q, -127.0), 127.0)).to(tl.int8), d
+
+
+@triton.jit
+def q8_0_blocks(x, NB: tl.constexpr):
+    """`quant.quantize(x, "q8_0")` of blocks `x` `[NB, 32]` fp32: int8 codes and fp16 scales (NaN for a block that is
+    not all finite)."""
+    magnitude = tl.abs(x)
+    nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    finite = tl.sum(((x == x) & (magnitude != float("inf"))).to(tl.int32), axis=1) == 32
+    q, d = _q8_0(x, magnitude, nan, NB)
+    return q, tl.where(finite, d, float("nan")).to(tl.float16)
+
+
+@triton.jit
 def _finite_floor(scaled):
     """`_finite_or_zero(trunc(scaled))` for the non-negative or clipped-to-zero codes of the 4-bit formats."""
     return tl.where((scaled == scaled) & (tl.abs(scaled) != float("inf")), tl.floor(scaled), 0.0)
@@ -156,15 +179,9 @@ def _quantize_rows_kernel(
         live = token < n
         row = b * scb + h * sch + (at + token) * sct
         if KIND == Q8:
-            d = tl.minimum(tl.math.div_rn(tl.max(magnitude, axis=1), tl.full((nb,), 127.0, tl.float32)), FP16_MAX)
-            inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
-            scaled = x * inv[:, None]
-            q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5))  # round half away from zero
-            q = tl.where((q == q) & (tl.abs(q) != float("inf")), q, 0.0)
-            q = tl.where(nan[:, None], 0.0, tl.minimum(tl.maximum(q, -127.0), 127.0)).to(tl.int8)
+            q, best_scale = _q8_0(x, magnitude, nan, nb)
             out = codes_ptr + row + (blocks % per_row) * BS
             tl.store(out[:, None] + cols, q, mask=live[:, None])
-            best_scale = d
         elif KIND == Q4_ASYM:
             lo = tl.minimum(tl.maximum(tl.min(x, axis=1), -FP16_MAX), FP16_MAX)
             d = tl.math.div_rn(tl.max(x, axis=1) - lo, tl.full((nb,), 15.0, tl.float32))

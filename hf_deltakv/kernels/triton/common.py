@@ -116,6 +116,14 @@ def turned_cos_sin(positions, freqs):
 
 
 @triton.jit
+def snapshots_held(t, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, LAST: tl.constexpr,
+                   INTERVAL: tl.constexpr):  # fmt: skip
+    """`layout.SnapshotSchedule.count` of int `t` (any shape), for a schedule of three points."""
+    early = (t >= P0).to(tl.int32) + (t >= P1).to(tl.int32) + (t >= P2).to(tl.int32)
+    return tl.where(t < LAST, early, 4 + (t - LAST) // INTERVAL)
+
+
+@triton.jit
 def round_half_even(x):
     """`torch.round` (half to even) of fp32 `x` with |x| < 2**22 (larger values are clamped by every caller)."""
     f = tl.floor(x)
