@@ -108,6 +108,7 @@ CURRENT = (
     "bit_tradeoff.json",
     "encode_cost.json",
     "long_context.json",
+    "value_sensitivity.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -431,6 +432,18 @@ def results() -> None:
                 f"{cfg['ctx'][0]} tokens (`{name}`)\n"
             )
             print(markdown_table(result))
+    sensitivity = _load("value_sensitivity.json")
+    if sensitivity:
+        from value_sensitivity import markdown as sensitivity_table
+
+        print(
+            "\n## Where values below four bits lose (`value_sensitivity.py`, `value_sensitivity.json`)\n\n"
+            f"KL from the unmodified model on WikiText-2 {sensitivity['text']} when only values are coded, inside "
+            f"attention of one forward (rotated, searched scale, the first {sensitivity['sinks']} tokens raw; keys "
+            "exact). Bits a value: q3_0 3.5, q4_0 4.5, q8_0 8.5 (a 32-value block's fp16 scale included); the "
+            f"causal choice of tokens sees the queries of the {sensitivity['window']} tokens after each.\n"
+        )
+        print("\n\n".join(sensitivity_table(result) for result in sensitivity["results"]))
     cost = _load("encode_cost.json")
     if cost:
         cfg = cost["config"]
