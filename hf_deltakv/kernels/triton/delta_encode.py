@@ -1,12 +1,15 @@
-"""Triton kernel: closed-loop delta encoding of whole keyframe groups (the prefill of `DeltaCodec`).
-Specification: `reference.delta_encode_groups`.
+"""Triton kernels: closed-loop delta encoding of `DeltaCodec`, whole keyframe groups (a prefill's:
+`_delta_encode_kernel`, specification `reference.delta_encode_groups`) and a decoding step's tokens written into the
+storage's room (`_delta_tokens_kernel`, specification `reference.delta_tokens`: one program per stream walks the 1-64
+new tokens, RoPE undone, rotated, keyframe or delta, the running mean and its snapshots carried in registers).
 
-One program codes one keyframe group of one stream: starting from the keyframe's reconstruction, each later token
-of the group is coded as a 4-bit (q4_0 arithmetic, blocks of `2 * HALF` channels) delta from the previous token's
-*reconstruction*; with `INTRA`, each block is instead coded against the long-term reference when that reconstructs
-it better, the choice carried in the lowest mantissa bit of the block's fp16 scale. The loop over tokens is
-sequential (closed loop); streams and groups run in parallel. A block is held as its two halves, because byte j of
-a block packs code j (low nibble) with code j + HALF (high nibble), llama.cpp's order.
+In the group kernel one program codes one keyframe group of one stream: starting from the keyframe's reconstruction,
+each later token of the group is coded as a 4-bit (q4_0 arithmetic, blocks of `2 * HALF` channels) delta from the
+previous token's *reconstruction*; with `INTRA`, each block is instead coded against the long-term reference when
+that reconstructs it better, the choice carried in the lowest mantissa bit of the block's fp16 scale (`code_step`,
+both kernels). The loop over tokens is sequential (closed loop); streams and groups run in parallel. A block is held
+as its two halves, because byte j of a block packs code j (low nibble) with code j + HALF (high nibble), llama.cpp's
+order.
 """
 
 from __future__ import annotations
