@@ -35,7 +35,7 @@ import torch
 from paths import RESULTS, WIKITEXT_VALID
 
 from hf_deltakv.kernels.hadamard import rotate
-from hf_deltakv.quant import dequantize, get_format, quantize
+from hf_deltakv.quant import SEARCHABLE_KINDS, dequantize, get_format, quantize
 
 SINKS = 4  # raw tokens at the start, as DeltaKVCache keeps them
 WINDOW = 32  # the causal choice sees the queries of this many tokens after a token (a group coded when it is full)
@@ -124,9 +124,9 @@ def coded(values: torch.Tensor, fmt: str, heads: list[int] | None = None, keep: 
     if levels is not None:
         low = block_levels(body, levels, search)
     else:  # (the scale searched where the cache searches it)
-        low = dequantize(quantize(body, fmt, get_format(fmt).name in ("q4_0", "q3_0")))
+        low = dequantize(quantize(body, fmt, get_format(fmt).kind in SEARCHABLE_KINDS))
     if keep is not None:
-        high = dequantize(quantize(body, keep_fmt, get_format(keep_fmt).name in ("q4_0", "q3_0")))
+        high = dequantize(quantize(body, keep_fmt, get_format(keep_fmt).kind in SEARCHABLE_KINDS))
         low = torch.where(keep[:, :, SINKS:, None], high, low)
     out = x.clone()
     chosen = slice(None) if heads is None else heads
@@ -142,9 +142,14 @@ def _mixed_heads(values: torch.Tensor, high: list[int]) -> torch.Tensor:
     return out
 
 
+def gaussian_levels() -> torch.Tensor:
+    """The 8 Lloyd-Max levels of a unit Gaussian, ascending."""
+    return torch.tensor([-v for v in reversed(GAUSSIAN_8)] + list(GAUSSIAN_8))
+
+
 def fitted_levels(samples: torch.Tensor, iterations: int = 50) -> torch.Tensor:
     """8 levels for unit-RMS blocks fitted to `samples` by Lloyd's algorithm, from the Gaussian's."""
-    levels = torch.tensor([-v for v in reversed(GAUSSIAN_8)] + list(GAUSSIAN_8))
+    levels = gaussian_levels()
     for _ in range(iterations):
         edges = (levels[1:] + levels[:-1]) / 2
         cell = torch.bucketize(samples, edges)
@@ -190,7 +195,7 @@ def measure(name: str, ctx: int, windows: int, head_layers: int | None) -> dict:
     sample = torch.cat(samples)
     sample = sample[torch.randperm(sample.numel(), generator=torch.Generator().manual_seed(0))[:2_000_000]]
     fitted = fitted_levels(sample)
-    gaussian = torch.tensor([-v for v in reversed(GAUSSIAN_8)] + list(GAUSSIAN_8))
+    gaussian = gaussian_levels()
 
     def kl(code) -> float:
         """Mean KL per predicted token with `code(layer, values, window index)` applied."""

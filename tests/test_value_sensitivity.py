@@ -36,7 +36,7 @@ def test_values_are_coded_as_the_cache_codes_them_sinks_raw_heads_and_tokens_cho
 def test_levels_searched_scale_is_never_worse_and_fitted_gaussian_levels_are_lloyd_max():
     g = torch.Generator().manual_seed(1)
     r = torch.randn(64, 128, generator=g)
-    levels = torch.tensor([-v for v in reversed(vs.GAUSSIAN_8)] + list(vs.GAUSSIAN_8))
+    levels = vs.gaussian_levels()
     error = lambda x: (x - r).reshape(-1, vs.BLOCK).pow(2).sum(-1)  # noqa: E731
     assert torch.all(error(vs.block_levels(r, levels, True)) <= error(vs.block_levels(r, levels)) + 1e-6)
     values = torch.randn(1, 2, 40, 64, generator=g)

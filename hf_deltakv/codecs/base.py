@@ -290,12 +290,3 @@ def _rows(state: State) -> int:
 
 def _map(state: State, fn):
     return state.map(fn) if isinstance(state, QuantizedTensor) else fn(state)
-
-
-def append_along_seq(stored: State, new: State) -> State:
-    """Concatenate `new` after `stored` along the sequence dimension (2)."""
-    if stored is None:
-        return new
-    if isinstance(stored, QuantizedTensor):
-        return QuantizedTensor.cat([stored, new], dim=2)
-    return torch.cat([stored, new], dim=2)

@@ -237,10 +237,8 @@ class DeltaCodec(StreamCodec):
         if snaps:
             fp16 = lambda rows: torch.empty(batch, heads, rows, dim, dtype=torch.float16, device=x.device)  # noqa: E731
             means, mean_at = self._reserve("means", snaps, fp16)
-        long_term = None
-        if self.intra and self.mean_reference and self.means is not None and self.means.shape[2]:
-            index = min(SNAPSHOTS.count(self.length), self.means.shape[2]) - 1  # the newest before these tokens
-            long_term = self.means[:, :, index] if index >= 0 else None
+        index = self._snapshot_index(self.length) if self.intra else -1  # the newest snapshot before these tokens
+        long_term = self.means[:, :, index] if index >= 0 else None
         rows = kernels.DeltaRows(key_rows, key_at, delta_rows, delta_at, means, mean_at, self.length, self.kf,
                                  self.reference == "previous", self.intra, SNAPSHOTS)  # fmt: skip
         running = self.running_sum if self.mean_reference else None

@@ -153,7 +153,8 @@ def delta_tokens(
     key_at, delta_at, mean_at = rows.key_at, rows.delta_at, rows.mean_at
     for i in range(x.shape[2]):
         token, held = x[:, :, i], rows.start + i
-        if held % rows.kf == 0:
+        keyframe = held % rows.kf == 0
+        if keyframe:
             coded = (encode or quantize)(token, key_fmt)
             recon = dequantize(coded)
             write_rows(rows.keyframes, coded.map(lambda t: t.unsqueeze(2)), key_at)
@@ -162,7 +163,7 @@ def delta_tokens(
             coded, recon = (step or code_delta)(token, base, long, rows.deltas.fmt.name, rows.intra)
             write_rows(rows.deltas, coded.map(lambda t: t.unsqueeze(2)), delta_at)
             delta_at += 1
-        if held % rows.kf == 0 or rows.previous:
+        if keyframe or rows.previous:
             base = recon
         total = total + token
         if rows.means is not None and rows.snapshots.count(held + 1) > rows.snapshots.count(held):

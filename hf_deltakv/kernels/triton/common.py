@@ -116,6 +116,15 @@ def turned_cos_sin(positions, freqs):
 
 
 @triton.jit
+def turn_rows(k, positions, freqs, T: tl.constexpr, D: tl.constexpr):
+    """Rows `k` `[T, D]` stored before RoPE (canonical pairs `c, c + D/2`) turned by their int `positions` `[T]`
+    (float64 `freqs` `[D/2]`, angles by `turned_cos_sin`)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(k, (T, 2, D // 2)), (0, 2, 1)))
+    cos, sin = turned_cos_sin(positions[:, None], freqs[None, :])
+    return tl.reshape(tl.permute(tl.join(lo * cos - hi * sin, hi * cos + lo * sin), (0, 2, 1)), (T, D))
+
+
+@triton.jit
 def snapshots_held(t, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, LAST: tl.constexpr,
                    INTERVAL: tl.constexpr):  # fmt: skip
     """`layout.SnapshotSchedule.count` of int `t` (any shape), for a schedule of three points."""

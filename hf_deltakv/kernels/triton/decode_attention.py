@@ -33,7 +33,7 @@ from .common import (
     query_strides,
     rows_of,
     saturate_fp16,
-    turned_cos_sin,
+    turn_rows,
     visible,
 )
 
@@ -212,10 +212,7 @@ def _plain_split_kernel(
         if ROPE:  # stored before RoPE (canonical pairs c, c + D/2): un-rotated first, then turned by its position
             if K_STAGES > 0:
                 k = butterflies(k, T, D, K_STAGES, K_SCALE)
-            lo, hi = tl.split(tl.permute(tl.reshape(k, (T, 2, half)), (0, 2, 1)))
-            cos, sin = turned_cos_sin(tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0)[:, None],
-                                      freqs[None, :])  # fmt: skip
-            k = tl.reshape(tl.permute(tl.join(lo * cos - hi * sin, hi * cos + lo * sin), (0, 2, 1)), (T, D))
+            k = turn_rows(k, tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0), freqs, T, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, T]
         if NQ == 1:
             scores = tl.where(valid[None, :], scores, float("-inf"))

@@ -5,11 +5,12 @@ decoding style, in two launches. Specification: `reference.stream_attention` ove
 tiles of `decode_attention.tile_tokens` tokens (what keeps a tile's products in registers). It loads a tile's q8_0
 keyframe and 4-bit deltas through their strides, adds the mean snapshot where a block is intra-coded, and rebuilds the
 keys with a segmented prefix sum (`tl.associative_scan`, restarting at the keyframe and at intra blocks; channels
-that do not restart within the tile continue from the last key of the tile before). The keys' Hadamard rotation is undone by butterflies (their own
-inverse) and RoPE re-applied from the positions (pairs `c, c + D/2`, `common.turned_cos_sin`); the tile is scored by
-every query row of the kv head (all its query heads, each query's causal limit or mask row) and folded with its values
-into an online softmax. The merge is the adaptive keys' (`adaptive_attention.merge_splits`): splits by log-sum-exp,
-the values' rotation undone once, the raw sinks folded in. Nothing is copied or written at full precision.
+that do not restart within the tile continue from the last key of the tile before). The keys' Hadamard rotation is
+undone by butterflies (their own inverse) and RoPE re-applied from the positions (`common.turn_rows`); the tile is
+scored by every query row of the kv head (all its query heads, each query's causal limit or mask row) and folded
+with its values into an online softmax. The merge is the adaptive keys' (`adaptive_attention.merge_splits`): splits
+by log-sum-exp, the values' rotation undone once, the raw sinks folded in. Nothing is copied or written at full
+precision.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .common import (
     query_strides,
     rows_of,
     snapshots_held,
-    turned_cos_sin,
+    turn_rows,
     visible,
 )
 from .decode_attention import fold_tile, load_rows, split_tokens, store_partials, tile_tokens
@@ -109,11 +110,8 @@ def _delta_split_kernel(
         carry = tl.sum(tl.where((offs == T - 1)[:, None], k, 0.0), axis=0)
         if STAGES > 0:  # stored rotated: the butterflies are their own inverse
             k = butterflies(k, T, D, STAGES, ROT_SCALE)
-        if ROPE:  # stored before RoPE (canonical pairs c, c + D/2): turned by each token's position
-            lo, hi = tl.split(tl.permute(tl.reshape(k, (T, 2, half)), (0, 2, 1)))
-            cos, sin = turned_cos_sin(tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0)[:, None],
-                                      freqs[None, :])  # fmt: skip
-            k = tl.reshape(tl.permute(tl.join(lo * cos - hi * sin, hi * cos + lo * sin), (0, 2, 1)), (T, D))
+        if ROPE:  # stored before RoPE: turned by each token's position
+            k = turn_rows(k, tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0), freqs, T, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         if NQ == 1:
             if MASK:
