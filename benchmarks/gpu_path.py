@@ -200,15 +200,28 @@ def bytes_read(length: int = 4096, spec: str = "delta") -> dict:
     with kernels_path("triton"):
         token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)  # (grows the storage)
         stored = sum(layer.nbytes() for layer in cache.layers)
-        with LoadTracer() as tracer:
+        with LoadTracer(shared=_weights(cache)) as tracer:
             model(token, cache=cache, use_cache=True)
     head_dim = config.hidden_size // config.num_attention_heads
     query_and_output = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim * 4  # fp32 model
     by_kernel = tracer.bytes_by_kernel()
     total = sum(by_kernel.values())
+    history = sum(tracer.bytes_by_kernel(shared="not").values())
+    once = sum(tracer.bytes_by_kernel(shared="once").values())
     return {"cache": spec, "length": length, "bytes_read": total, "layers_nbytes": stored,
             "query_and_output_bytes": query_and_output, "ratio": total / (stored + query_and_output),
-            "by_kernel": by_kernel}  # fmt: skip
+            "history_ratio": history / (stored + query_and_output), "weights_per_program": total - history,
+            "weights_once_per_launch": once - history, "by_kernel": by_kernel}  # fmt: skip
+
+
+def _weights(cache) -> list[torch.Tensor]:
+    """What every program of a launch reads alike and no layer stores: the residual layers' decoders and means (as
+    their kernels read them)."""
+    from hf_deltakv.residual.attention import latent_coder
+
+    layers = [layer for layer in cache.layers if hasattr(layer, "compressor")]
+    coders = [latent_coder(layer.compressor, tuple(layer.bits)) for layer in layers]
+    return [t for coder in coders for t in vars(coder).values()]
 
 
 @torch.no_grad()
@@ -378,7 +391,8 @@ def _merge(out: str, specs: list[str], rows: list[dict], chunks: list[dict], no_
     if not no_bytes:
         others = [bytes_read(BYTES_OTHERS_LENGTH, spec) for spec in specs if spec not in ("dynamic", "delta")]
         for other in others:
-            print(f"bytes read by a decoding step of {other['cache']} at {BYTES_OTHERS_LENGTH}: {other['ratio']:.3f}x")
+            print(f"bytes read by a decoding step of {other['cache']} at {BYTES_OTHERS_LENGTH}: {other['ratio']:.3f}x "
+                  f"(history {other['history_ratio']:.3f}x)")  # fmt: skip
         result["bytes_read_others"] = keep(result["bytes_read_others"]) + others
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -23,8 +23,11 @@ from hf_deltakv.models import load_model
 CACHES = ("fp16", "delta", "delta-no-model", "delta:keys=token", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
 
 
-def compare_on_models(models: list[str], caches: list[str], text: str, ctx: int, windows: int) -> dict:
-    """`compare_caches` (one forward per window) for each model, printed as it goes: {model name: result}."""
+def compare_on_models(
+    models: list[str], caches: list[str], text: str, ctx: int, windows: int, out: Path | None = None
+) -> dict:
+    """`compare_caches` (one forward per window) for each model, printed as it goes: {model name: result}; written
+    to `out` after each model (a long run stopped midway keeps the models it finished)."""
     results = {}
     for name in models:
         model, tokenizer = load_model(name)
@@ -36,23 +39,31 @@ def compare_on_models(models: list[str], caches: list[str], text: str, ctx: int,
         result["config"]["text"] = Path(text).name
         results[name] = result
         print(f"\n{name}\n{markdown_table(result)}", flush=True)
+        if out is not None:
+            Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
 def comparison_main(
-    argv: list[str] | None, description: str, caches: list[str], text: str, out: Path, separator: str = ","
+    argv: list[str] | None,
+    description: str,
+    caches: list[str],
+    text: str,
+    out: Path,
+    separator: str = ",",
+    models: str = "smollm2-135m,gemma3-270m",
 ) -> int:
-    """The command line shared by this script and ablation_kld.py: `caches` on both real models, written to `out`."""
+    """The command line shared by this script, ablation_kld.py and bit_tradeoff.py: `caches` on `models` (both real
+    models unless told), written to `out`."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    parser.add_argument("--models", default=models)
     parser.add_argument("--caches", default=separator.join(caches), help=f"cache specs separated by {separator!r}")
     parser.add_argument("--text", default=str(text))
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--out", default=str(out))
     args = parser.parse_args(argv)
-    results = compare_on_models(args.models.split(","), args.caches.split(separator), args.text, args.ctx, args.windows)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    compare_on_models(args.models.split(","), args.caches.split(separator), args.text, args.ctx, args.windows, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

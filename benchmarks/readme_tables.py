@@ -352,13 +352,20 @@ def gpu_path_tables() -> None:
               + ", ".join(f"`{k.strip('_')}` {v:,}" for k, v in read["by_kernel"].items()) + ".")  # fmt: skip
     others = result.get("bytes_read_others")
     if others:
-        print(f"\nThe other caches' decoding steps at {others[0]['length']:,} tokens, the same measure (the bytes of "
-              "ResidualKVCache's decoder, model weights outside `nbytes()`, included: each kv head's programs read "
-              "its rows of them and every token's latent codes, shared by the kv heads):\n")  # fmt: skip
-        print("| cache | bytes read | layers' nbytes + queries and outputs | ratio |\n|---|---:|---:|---:|")
+        print(f"\nThe other caches' decoding steps at {others[0]['length']:,} tokens, the same measure. "
+              "ResidualKVCache also reads its decoders and means (model weights outside `nbytes()`): every split "
+              "program the key decoder's columns of its kv heads, every merge program its kv head's value decoder; "
+              "the ratio counts them once per program, a GPU's L2 serves them after the first (`weights once`: "
+              "counted once per launch; `history`: left out). Its split programs each take every kv head of a token "
+              "range (the latent codes, shared by the heads, read once).\n")  # fmt: skip
+        print("| cache | bytes read | layers' nbytes + queries and outputs | ratio | history | weights per program / "
+              "once |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
         for o in others:
+            weights = o.get("weights_per_program")
+            history = f"{o['history_ratio']:.3f}x" if weights else "-"
+            weights = f"{weights:,} / {o['weights_once_per_launch']:,}" if weights else "-"
             print(f"| `{o['cache']}` | {o['bytes_read']:,} | {o['layers_nbytes'] + o['query_and_output_bytes']:,} | "
-                  f"{o['ratio']:.3f}x |")  # fmt: skip
+                  f"{o['ratio']:.3f}x | {history} | {weights} |")  # fmt: skip
     memory = result.get("prefill_memory")
     if memory:
         print("\nA prefill's transient memory, one layer of the default cache (8 kv heads × 128, bf16): the peak its "

@@ -250,11 +250,13 @@ def launches(quick: bool = False) -> list[Launch]:
         for dim, group, dtype, rope, masked in product(HEAD_DIMS, GROUPS, INPUT_DTYPES, (True, False), (False, True)):
             label[0] = (f"residual, head_dim {dim}, {group} queries per kv head, {str(dtype).removeprefix('torch.')}"
                         f" tokens, RoPE {rope}, mask {masked}")  # fmt: skip
-            heads, width = 2, 2 * dim
+            heads = 3 if dim == 64 else 2  # (SmolLM2's three kv heads: one split program, padded to four)
+            width = heads * dim
             latent_dims = (4 * 32, 5 * 32)  # the stored key and value components of `bits`
+            decoders = torch.float16 if heads == 3 else torch.float32  # (a checkpoint's fp16, as SmolLM2's)
             coder = LatentCoder(torch.zeros(width), torch.zeros(width), torch.zeros(width, latent_dims[0]),
-                                torch.zeros(width, latent_dims[1]), torch.zeros(latent_dims[0], width),
-                                torch.zeros(latent_dims[1], width))  # fmt: skip
+                                torch.zeros(width, latent_dims[1]), torch.zeros(latent_dims[0], width, dtype=decoders),
+                                torch.zeros(latent_dims[1], width, dtype=decoders))  # fmt: skip
             codes = LatentStream(torch.zeros(1, 40, sum(4 * b for b in bits), dtype=torch.uint8),
                                  torch.zeros(1, 40, 9, dtype=torch.float16), bits)  # fmt: skip
             freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .allocation import allocation_for
 from .codecs.adaptive import GROUPS, AdaptiveChannelCodec
 from .codecs.base import StreamCodec
 from .codecs.channel import ChannelGroupCodec
@@ -289,15 +290,15 @@ class CompressedKVCache(StreamCache):
     """A cache whose layers code keys and values with one codec each (`CompressedLayer`).
 
     Args:
-        key_codec: factory of each layer's key codec.
-        value_codec: factory of each layer's value codec.
+        key_codec: factory of each layer's key codec, or a list of them, one per layer.
+        value_codec: factory of each layer's value codec, or a list of them, one per layer.
         sink_tokens, model, pre_rope: see `StreamCache`.
     """
 
     def __init__(
         self,
-        key_codec: Callable[[], StreamCodec],
-        value_codec: Callable[[], StreamCodec],
+        key_codec: Callable[[], StreamCodec] | list[Callable[[], StreamCodec]],
+        value_codec: Callable[[], StreamCodec] | list[Callable[[], StreamCodec]],
         sink_tokens: int = 0,
         model: nn.Module | None = None,
         pre_rope: bool | None = None,
@@ -307,13 +308,22 @@ class CompressedKVCache(StreamCache):
 
     def _make_layer(self, layer_idx: int) -> CompressedLayer:
         return CompressedLayer(
-            self._key_codec,
-            self._value_codec,
+            _of_layer(self._key_codec, layer_idx, "key codecs"),
+            _of_layer(self._value_codec, layer_idx, "value codecs"),
             self.sink_tokens,
             self._rope(layer_idx),
             self.positions,
             self._window(layer_idx),
         )
+
+
+def _of_layer(factory, layer_idx: int, what: str):
+    """Layer `layer_idx`'s factory: `factory` itself, or its entry when it is a list of one per layer."""
+    if not isinstance(factory, list):
+        return factory
+    if layer_idx >= len(factory):
+        raise ValueError(f"the cache has {what} for {len(factory)} layers; layer {layer_idx} has none")
+    return factory[layer_idx]
 
 
 # Attributes a layer gets at its first update (`StreamLayer.lazy_initialization`): a saved layer may carry them.
@@ -493,6 +503,7 @@ class KIVIKVCache(CompressedKVCache):
 
 
 KEY_CODINGS = ("channel", "token")
+DEFAULT_KEY_BITS, DEFAULT_VALUES = 4.0, "q4_0"  # DeltaKVCache's key bits per element and value format
 
 
 class DeltaKVCache(CompressedKVCache):
@@ -514,8 +525,9 @@ class DeltaKVCache(CompressedKVCache):
 
     Args:
         kf: tokens per group (8, 16, 32 or 64; for `keys="token"`, the keyframe interval, 1-4096).
-        key_bits: mean bits per key element (`key_bits * head_dim` a whole number).
-        values: a block format name for values (per token: `q4_0`, or `q3_0` below 4 bits) or `"delta"`.
+        key_bits: mean bits per key element (`key_bits * head_dim` a whole number), or a list of one per layer.
+        values: a block format name for values (per token: `q4_0`, or `q3_0` below 4 bits) or `"delta"`, or a list
+            of format names, one per layer (spend the bits where a layer's values are sensitive).
         keys: `"channel"` (default) or `"token"` (see above).
         rotate: Hadamard-rotate values (and token-coded keys) before coding.
         search_scale: search each block's scale for the least error (values in the q4_0 family or q3_0).
@@ -526,6 +538,9 @@ class DeltaKVCache(CompressedKVCache):
             alone; an ablation switch).
         clip_range: code each key channel of a group over the clipped range that reconstructs it best (off: from its
             minimum to its maximum; an ablation switch).
+        bits: instead of `key_bits` and `values`, a mean number of bits per element (nominal: codes and side
+            information), spent per layer where the model's calibration (`hf_deltakv.allocation`) says keys or
+            values lose the most; needs `model`. `kf=64` leaves the most of them to the codes.
 
     >>> cache = DeltaKVCache(kf=32)
     >>> cache.kf
@@ -535,8 +550,8 @@ class DeltaKVCache(CompressedKVCache):
     def __init__(
         self,
         kf: int = 32,
-        key_bits: float = 4.0,
-        values: str = "q4_0",
+        key_bits: float | list[float] = DEFAULT_KEY_BITS,
+        values: str | list[str] = DEFAULT_VALUES,
         keys: str = "channel",
         rotate: bool = True,
         search_scale: bool = True,
@@ -550,14 +565,28 @@ class DeltaKVCache(CompressedKVCache):
         reference: str | None = None,
         intra: bool | None = None,
         mean_reference: bool | None = None,
+        bits: float | None = None,
     ) -> None:
         if keys not in KEY_CODINGS:
             raise ValueError(f"keys must be one of {KEY_CODINGS}, got {keys!r}")
         if keys == "channel" and kf not in GROUPS:
             raise ValueError(f"kf must be one of {GROUPS} with keys='channel' (any of 1..{MAX_KF} with keys='token')")
-        if keys == "channel" and (isinstance(key_bits, bool) or not isinstance(key_bits, (int, float))
-                                  or not 1 <= key_bits <= 8):  # fmt: skip
-            raise ValueError(f"key_bits must be a number in [1, 8], got {key_bits!r}")
+        self.bits, self.calibration = bits, None
+        if bits is not None:
+            if keys != "channel" or key_bits != DEFAULT_KEY_BITS or values != DEFAULT_VALUES:
+                raise ValueError("bits= chooses key_bits and values per layer (keys='channel'): give bits or those")
+            if not isinstance(model, nn.Module):
+                raise ValueError("bits= needs the model (model=...): the bits are allocated per layer")
+            key_bits, values, self.calibration = allocation_for(model, bits, kf)
+        key_bits, values = [list(x) if isinstance(x, tuple) else x for x in (key_bits, values)]
+        layers = getattr(text_config(model), "num_hidden_layers", None) if isinstance(model, nn.Module) else None
+        key_bits_of, values_of = _per_layer("key_bits", key_bits, layers), _per_layer("values", values, layers)
+        if keys == "token" and isinstance(key_bits, list):
+            raise ValueError("key_bits applies to keys='channel' only: it cannot be given per layer with keys='token'")
+        if keys == "channel":
+            for entry in key_bits_of:
+                if isinstance(entry, bool) or not isinstance(entry, (int, float)) or not 1 <= entry <= 8:
+                    raise ValueError(f"key_bits must be a number in [1, 8] (or a list of them), got {key_bits!r}")
         for name in ("rotate", "search_scale", "query_weights", "clip_range"):
             _check_flag(name, locals()[name])
         token_options = {
@@ -568,39 +597,56 @@ class DeltaKVCache(CompressedKVCache):
             "mean_reference": mean_reference,
         }
         given = sorted(name for name, value in token_options.items() if value is not None)
-        if keys == "channel" and (given or values == "delta"):
+        if keys == "channel" and (given or "delta" in values_of):
             raise ValueError(f"{given or 'values=delta'} apply to keys='token' only")
         if keys == "token" and not (query_weights and clip_range):
             raise ValueError("query_weights and clip_range apply to keys='channel' only")
         defaults = TOKEN_DELTA_DEFAULTS
         token_options = {"kf": kf, **{k: defaults[k] if v is None else v for k, v in token_options.items()}}
         if keys == "channel":
-            make_keys = _codec(
-                AdaptiveChannelCodec,
-                group=kf,
-                bits=key_bits,
-                offset=_check_sinks(sink_tokens),
-                query_weights=query_weights,
-                clip_range=clip_range,
-            )
-            make_keys()  # validate now, not at the first forward
+            channel_options = {"group": kf, "offset": _check_sinks(sink_tokens), "query_weights": query_weights,
+                               "clip_range": clip_range}  # fmt: skip
+            make_keys = [_codec(AdaptiveChannelCodec, bits=entry, **channel_options) for entry in key_bits_of]
+            for make in make_keys:
+                make()  # validate now, not at the first forward
         else:
             DeltaCodec(**token_options)
-            make_keys = _codec(DeltaCodec, rotate, **token_options)
-        if values == "delta":
-            make_values = _codec(DeltaCodec, rotate, **token_options)
-        elif isinstance(values, str) and values in FORMATS:
-            search = search_scale and FORMATS[values].kind in SEARCHABLE_KINDS
-            make_values = _codec(PlainCodec, rotate, fmt=values, search_scale=search)
-        else:
-            raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)}, got {values!r}")
+            make_keys = [_codec(DeltaCodec, rotate, **token_options)]
+        make_values = []
+        for fmt in values_of:
+            if fmt == "delta":
+                make_values.append(_codec(DeltaCodec, rotate, **token_options))
+            elif isinstance(fmt, str) and fmt in FORMATS:
+                search = search_scale and FORMATS[fmt].kind in SEARCHABLE_KINDS
+                make_values.append(_codec(PlainCodec, rotate, fmt=fmt, search_scale=search))
+            else:
+                raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)} (or a list of them), got "
+                                 f"{values!r}")  # fmt: skip
         self.kf = kf
         self.options = {"kf": kf, "key_bits": key_bits, "values": values, "keys": keys, "rotate": rotate,
                         "search_scale": search_scale, "sink_tokens": sink_tokens, "pre_rope": pre_rope,
                         "query_weights": query_weights, "clip_range": clip_range, "delta_format": delta_format,
                         "keyframe_format": keyframe_format, "reference": reference, "intra": intra,
                         "mean_reference": mean_reference}  # fmt: skip
-        super().__init__(make_keys, make_values, sink_tokens, model, pre_rope)
+        super().__init__(_one_or_each(make_keys, key_bits), _one_or_each(make_values, values), sink_tokens, model,
+                         pre_rope)  # fmt: skip
+
+
+def _per_layer(name: str, setting, layers: int | None) -> list:
+    """The settings `setting` names: itself alone, or the entries of a list of one per layer (as many as the model's
+    layers, when the model is known)."""
+    if not isinstance(setting, list):
+        return [setting]
+    if not setting:
+        raise ValueError(f"{name}: a list needs one entry per layer, got an empty one")
+    if layers is not None and len(setting) != layers:
+        raise ValueError(f"{name} has {len(setting)} entries; the model has {layers} layers")
+    return setting
+
+
+def _one_or_each(factories: list, setting):
+    """The one factory of a setting given once, or the list of one per layer."""
+    return factories if isinstance(setting, list) else factories[0]
 
 
 # The token-delta key codec's options, used only with keys="token" (their one default).

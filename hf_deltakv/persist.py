@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -180,6 +181,10 @@ def write_file(path: str | Path, header: dict, tensors: dict[str, torch.Tensor])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    storages = Counter(t.untyped_storage().data_ptr() for t in cpu.values() if t.numel())
+    # views of one storage (a layer's state kept as rows of one tensor, never copied) are written apart
+    cpu = {name: t.clone() if t.numel() and storages[t.untyped_storage().data_ptr()] > 1 else t
+           for name, t in cpu.items()}  # fmt: skip
     metadata = {"hf_deltakv": json.dumps(header), "sha256": _digest(header, cpu)}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(cpu, str(tmp), metadata=metadata)

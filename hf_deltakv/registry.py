@@ -1,6 +1,7 @@
 """One registry of caches: the CLI choices, the benchmark tables and the test matrix all come from here.
 
-A spec is a name with optional parameters, e.g. `delta`, `delta:kf=64`, `q4_0`, `delta:values=q4_1,intra=false`.
+A spec is a name with optional parameters, e.g. `delta`, `delta:kf=64`, `q4_0`, `delta:values=q4_1,intra=false`; a
+parameter taking a list (one entry per layer) is written with `/` between its entries: `delta:values=q3_0/q4_0`.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def _parse_value(text: str, annotation: str | None, key: str):
         except ValueError:
             return text
     kinds = {part.strip() for part in annotation.split("|")}
+    lists = [kind[len("list[") : -1] for kind in kinds if kind.startswith("list[")]
+    if lists and "/" in text:  # one entry per layer: `q3_0/q4_0/...`
+        return [_parse_value(part.strip(), lists[0], key) for part in text.split("/")]
     if "None" in kinds and lowered == "none":
         return None
     if "bool" in kinds:

@@ -18,6 +18,7 @@ RANKS = {
     "persist": 1,  # files of caches and checkpoints: safetensors + JSON, model signatures, checked reads
     "codecs": 2,  # how one stream is encoded into packed storage
     "layers": 3,  # transformers cache layers over codecs
+    "allocation": 3,  # DeltaKVCache(bits=): bits per layer from a shipped calibration (tables/*.json)
     "cache": 4,  # the Cache classes users construct
     "eval": 5,  # perplexity/KL through a cache, texts, K/V statistics
     "weight_skip": 6,  # the decode-time linear hook (ops; eval's texts to calibrate on)
@@ -26,6 +27,7 @@ RANKS = {
     "compare": 8,  # side-by-side comparison of registry specs
     "models": 8,  # loading the embedded and other models
     "cli": 9,
+    "calibrate": 9,  # measuring the sensitivities `allocation` spends bits by (through `compare`)
     "lm_eval": 9,
 }
 

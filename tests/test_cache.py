@@ -137,11 +137,37 @@ def test_reset_empties_the_cache():
         (dict(clip_range=1), "clip_range"),
         (dict(keys="token", clip_range=False), "keys='channel' only"),
         (dict(values="q3_1"), "values"),
+        (dict(values=[]), "one entry per layer"),
+        (dict(values=["q3_0", "int4"]), "values"),
+        (dict(key_bits=[3, 9]), "key_bits"),
+        (dict(keys="token", key_bits=[3, 4]), "keys='channel' only"),
+        (dict(values=["q3_0", "delta"]), "keys='token'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DeltaKVCache(**kwargs)
+
+
+def test_per_layer_settings_code_each_layer_as_its_entry_says():
+    """`key_bits` and `values` as lists: layer i's codecs take entry i (the bytes say so); a list must cover the
+    model's layers, and a layer it does not name is refused before anything is stored."""
+    cache = DeltaKVCache(kf=8, key_bits=[2, 4], values=["q3_0", "q4_0"])
+    alone = [DeltaKVCache(kf=8, key_bits=b, values=v) for b, v in ((2, "q3_0"), (4, "q4_0"))]
+    for layer in range(2):
+        pair = kv(40, seed=layer)
+        cache.update(*pair, layer)
+        alone[layer].update(*pair, 0)
+        assert cache.layers[layer].nbytes() == alone[layer].layers[0].nbytes()
+    assert cache.layers[0].nbytes() < cache.layers[1].nbytes()
+    with pytest.raises(ValueError, match="layer 2 has none"):
+        cache.update(*kv(40), 2)
+    assert len(cache.layers) == 2
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"the model has {layers} layers"):
+        DeltaKVCache(values=["q3_0"] * (layers + 1), model=model)
+    assert DeltaKVCache(values=("q3_0",) * layers, model=model).options["values"] == ["q3_0"] * layers
 
 
 def test_bad_tensors():

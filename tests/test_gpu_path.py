@@ -241,6 +241,37 @@ def test_each_packed_byte_is_read_once_per_decoding_step():
     assert row["ratio"] <= gpu_path.BYTES_BUDGET, row
 
 
+def test_the_residual_cache_reads_each_coded_byte_once_per_decoding_step():
+    """A decoding step's split programs each take every kv head of a token range: each byte of the latent codes and
+    scales (shared by the kv heads) is loaded by one program only, and every coded token's bytes are loaded."""
+    from hf_deltakv.eval.gpu_path import LoadTracer
+
+    model = gpu_path.tiny_llama()
+    cache = gpu_path.build("residual", model)
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with gpu_path.kernels_path("auto"):
+            token = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        with gpu_path.kernels_path("triton"):
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            coded = [t for layer in cache.layers for t in (layer.codes, layer.scales)]
+            with LoadTracer(shared=coded) as tracer:
+                model(token, cache=cache, use_cache=True)
+    splits = [launch for launch in tracer.launches if launch[0] == "_latent_split_kernel"]
+    assert len(splits) == len(cache.layers)
+    for (_, programs, in_shared, once), layer in zip(splits, cache.layers, strict=True):
+        assert len(programs) > 1  # (several token ranges)
+        assert sum(in_shared.values()) == once == layer.codes.nbytes + layer.scales.nbytes
+
+
+def test_the_residual_cache_reads_its_history_within_the_bytes_budget():
+    """The same measure for ResidualKVCache, its decoders (model weights every split program reads alike, outside
+    `nbytes()`) left out: the latent codes once, the queries and partials once per split of 256 tokens (512 tokens
+    here: 1.090x; 1.11x at 1K; with splits of 128 tokens it was 1.18x at 1K)."""
+    row = gpu_path.bytes_read(512, "residual")
+    assert row["history_ratio"] <= gpu_path.BYTES_BUDGET, row
+
+
 @pytest.mark.parametrize("length", [2048, 32768])
 def test_a_prefill_stays_within_twice_its_fp16_keys_and_values(length):
     row = gpu_path.prefill_memory(length)

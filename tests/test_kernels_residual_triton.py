@@ -5,6 +5,8 @@ tokens (within fp32 rounding)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,7 +80,8 @@ def test_coding_matches_the_reference(n, rope, order):
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "dim", "tokens", "sinks", "window", "rope", "masked", "n"),
     [(3, 1, 64, 45, 4, 7, True, False, 1), (4, 2, 32, 300, 0, 16, True, True, 1), (2, 2, 32, 20, 2, 0, False, False, 1),
-     (3, 1, 64, 45, 4, 7, True, False, 5), (4, 2, 32, 60, 2, 16, True, True, 12)],
+     (3, 1, 64, 45, 4, 7, True, False, 5), (4, 2, 32, 60, 2, 16, True, True, 12),
+     (9, 3, 64, 70, 4, 5, True, True, 1)],  # (SmolLM2's heads: three kv heads in one program, padded to four)
 )  # fmt: skip
 def test_attention_over_raw_and_coded_tokens_matches_the_reference(
     q_heads, kv_heads, dim, tokens, sinks, window, rope, masked, n
@@ -88,6 +91,9 @@ def test_attention_over_raw_and_coded_tokens_matches_the_reference(
     batch = 2
     g = torch.Generator().manual_seed(tokens)
     coder = _coder(kv_heads, dim, BITS, tokens)
+    if kv_heads == 3:  # decoders in fp16, as `residual.attention.latent_coder` keeps a checkpoint's
+        halves = {name: getattr(coder, name).half() for name in ("key_decoder", "value_decoder")}
+        coder = dataclasses.replace(coder, **halves)
     stream = _target(batch, tokens, BITS)
     keys = torch.randn(batch, kv_heads, tokens, dim, generator=g)
     reference.encode_latent_into(keys, torch.randn_like(keys), None, None, None, coder, BITS, stream, 0)
@@ -111,3 +117,18 @@ def test_attention_over_raw_and_coded_tokens_matches_the_reference(
     want = reference.latent_stream_attention(query, raw, stream, coder, angles, order, sinks, mask, n, offset, scale)
     got = latent_stream_attention(query, raw, stream, coder, angles, order, sinks, mask, scale, n, offset)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_built_in_decoders_are_read_in_fp16_and_fitted_ones_in_fp32():
+    """A checkpoint stored in fp16 is read at half the bytes with the same values; fp32 weights stay fp32."""
+    from hf_deltakv.residual import load_compressor
+    from hf_deltakv.residual.attention import latent_coder
+
+    compressor = load_compressor("smollm2-135m")
+    layer, bits = compressor.layers[1], tuple(compressor.config.bits[1])
+    coder = latent_coder(layer, bits)
+    assert coder.key_decoder.dtype == coder.value_decoder.dtype == torch.float16
+    assert coder.key_encoder.dtype == torch.float32
+    with torch.no_grad():
+        layer.key_decoder.add_(1e-4)  # (no longer fp16 values: a new coder, in fp32)
+    assert latent_coder(layer, bits).key_decoder.dtype == torch.float32

@@ -104,3 +104,20 @@ def test_saving_needs_the_model_and_a_named_cache(tmp_path):
         model(tokens(10, 0), cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="model="):
         cache.save(tmp_path / "x.safetensors")
+
+
+def test_a_prefix_ending_on_a_group_boundary_and_per_layer_settings_save_and_reload(tmp_path):
+    """A prefill that ends where a key group starts keeps the queries' sums before it as a view of the running
+    total (never copied): the file writes them apart (safetensors refused the shared storage). Per-layer `key_bits`
+    and `values` are options like the others: the reloaded cache codes and answers as the saved one."""
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    cache = DeltaKVCache(kf=8, key_bits=[3.0] * layers, values=["q3_0"] + ["q4_0"] * (layers - 1), model=model)
+    with torch.no_grad():
+        model(tokens(40, 0), cache=cache, use_cache=True)  # (40 = 5 groups of 8)
+        cache.save(tmp_path / "prefix.safetensors")
+        loaded = DeltaKVCache.load(tmp_path / "prefix.safetensors", model=model)
+        assert loaded.options == cache.options
+        question = tokens(3, 1)
+        expected = model(question, cache=cache, use_cache=True).logits
+        assert torch.equal(model(question, cache=loaded, use_cache=True).logits, expected)

@@ -43,6 +43,12 @@ def test_spec_parsing():
         build_cache("q4_0:colour=red")
     with pytest.raises(ValueError, match="kf"):
         build_cache("delta:kf=0")
+    assert parse_spec("delta:key_bits=3/2.5,values=q3_0/q4_0") == (
+        "delta",
+        {"key_bits": [3.0, 2.5], "values": ["q3_0", "q4_0"]},
+    )
+    with pytest.raises(ValueError, match="expected float"):
+        parse_spec("delta:key_bits=3/many")
 
 
 def test_split_specs_keeps_parameters_with_their_cache():

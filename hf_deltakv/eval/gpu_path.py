@@ -327,11 +327,16 @@ def per_layer(step: dict[int, dict[str, Tally]]) -> dict[int, Tally]:
 class LoadTracer:
     """Distinct bytes loaded by each program of each interpreted Triton launch while active (a context manager).
 
-    `launches` holds `(kernel name, {program id: distinct bytes})` per launch. Needs `TRITON_INTERPRET=1`.
+    `launches` holds `(kernel name, {program id: distinct bytes}, {program id: those of them in `shared`}, distinct
+    bytes of `shared` over the launch)` per launch. `shared`: tensors every program of a launch may read (a decoder's
+    weights), which a GPU's L2 serves after the first program (`bytes_by_kernel` counts them either way). Needs
+    `TRITON_INTERPRET=1`.
     """
 
-    def __init__(self) -> None:
-        self.launches: list[tuple[str, dict[tuple[int, int, int], int]]] = []
+    def __init__(self, shared: list[torch.Tensor] = ()) -> None:
+        self.launches: list[tuple[str, dict[tuple[int, int, int], int], dict[tuple[int, int, int], int], int]] = []
+        self._ranges = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                        for t in shared]  # fmt: skip
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> LoadTracer:
@@ -359,22 +364,35 @@ class LoadTracer:
             try:
                 return run(fn, *args, **kwargs)
             finally:
-                programs = {pid: int(np.unique(np.concatenate(parts)).size) for pid, parts in current.items()}
-                tracer.launches.append((fn.__name__, programs))
+                tracer._record(fn.__name__, current)
                 current.clear()
 
         interpreter.InterpretedFunction.run = traced_run
         self._stack.callback(lambda: setattr(interpreter.InterpretedFunction, "run", run))
         return self
 
+    def _record(self, name: str, loads: dict) -> None:
+        programs, shared = {}, {}
+        for pid, parts in loads.items():
+            spans = np.unique(np.concatenate(parts))
+            inside = np.zeros(spans.shape, dtype=bool)
+            for begin, end in self._ranges:
+                inside |= (spans >= begin) & (spans < end)
+            programs[pid], shared[pid] = int(spans.size), spans[inside]
+        once = int(np.unique(np.concatenate(list(shared.values()))).size) if shared else 0
+        self.launches.append((name, programs, {pid: int(s.size) for pid, s in shared.items()}, once))
+
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def bytes_by_kernel(self) -> dict[str, int]:
-        """Distinct bytes per program, summed over programs and launches, per kernel."""
+    def bytes_by_kernel(self, shared: str = "per program") -> dict[str, int]:
+        """Distinct bytes per program, summed over programs and launches, per kernel; the shared tensors' bytes counted
+        `shared`: "per program" (as the rest), "once" (once per launch) or "not" (left out)."""
         out: dict[str, int] = defaultdict(int)
-        for name, programs in self.launches:
-            out[name] += sum(programs.values())
+        for name, programs, in_shared, once in self.launches:
+            total = sum(programs.values())
+            out[name] += {"per program": total, "once": total - sum(in_shared.values()) + once,
+                          "not": total - sum(in_shared.values())}[shared]  # fmt: skip
         return dict(out)
 
 

@@ -230,7 +230,9 @@ class LatentCoder:
     """A residual layer's linear coder as the kernels read it, made once per device (`residual.attention`): the
     stored latent components only, fp32. `key_encoder` `[stream, kept key components]` and `value_encoder` map a
     token's residual less its mean (heads concatenated; keys before RoPE in the canonical channel order) to them;
-    `key_decoder` `[kept key components, stream]` and `value_decoder` map them back, before the means are added."""
+    `key_decoder` `[kept key components, stream]` and `value_decoder` map them back, before the means are added (the
+    decoders fp16 where that holds them exactly, as a checkpoint stored in fp16 does: every attention program reads
+    them, at half the bytes; products in fp32 either way)."""
 
     key_mean: torch.Tensor
     value_mean: torch.Tensor

@@ -1006,8 +1006,8 @@ def latent_stream_attention(
     kept = [b for b in stream.bits if b]
     latent = dequantize_latent(stream.codes, stream.scales, kept)
     key_latent, value_latent = latent.split([coder.key_decoder.shape[0], coder.value_decoder.shape[0]], dim=-1)
-    keys = _heads(key_latent @ coder.key_decoder + coder.key_mean, heads)
-    values = _heads(value_latent @ coder.value_decoder + coder.value_mean, heads)
+    keys = _heads(key_latent @ coder.key_decoder.float() + coder.key_mean, heads)
+    values = _heads(value_latent @ coder.value_decoder.float() + coder.value_mean, heads)
     if rope is not None:
         cos, sin = rope.cos_sin()
         keys = rotate_pairs(keys, cos[:, None], sin[:, None])

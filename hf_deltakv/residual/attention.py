@@ -73,8 +73,8 @@ def _kept(bits: tuple[int, ...]) -> tuple[list[int], torch.Tensor, int]:
 
 def latent_coder(compressor: LayerCompressor, bits: tuple[int, ...]) -> LatentCoder:
     """The layer's coder as the kernels read it (`kernels.LatentCoder`: the stored latent components' columns of the
-    encoders and rows of the decoders, fp32), made once per device and kept on the compressor until a weight
-    changes: a decoding step asks in every layer."""
+    encoders and rows of the decoders, fp32, the decoders fp16 where that is exact), made once per device and kept on
+    the compressor until a weight changes: a decoding step asks in every layer."""
     parameters = [getattr(compressor, f"{s}_{p}") for s in ("key", "value") for p in ("mean", "encoder", "decoder")]
     state = tuple((w._version, w.data_ptr()) for w in parameters)
     kept = compressor.__dict__.setdefault("_coders", {})
@@ -89,10 +89,16 @@ def latent_coder(compressor: LayerCompressor, bits: tuple[int, ...]) -> LatentCo
         columns = [r.to(key_encoder.device) for r in rows]
         hit = kept[key] = (state, LatentCoder(
             key_mean.contiguous(), value_mean.contiguous(), key_encoder[:, columns[0]].contiguous(),
-            value_encoder[:, columns[1]].contiguous(), key_decoder[columns[0]].contiguous(),
-            value_decoder[columns[1]].contiguous(),
+            value_encoder[:, columns[1]].contiguous(), _narrowed(key_decoder[columns[0]].contiguous()),
+            _narrowed(value_decoder[columns[1]].contiguous()),
         ))  # fmt: skip
     return hit[1]
+
+
+def _narrowed(weights: torch.Tensor) -> torch.Tensor:
+    """fp32 `weights` in fp16 where fp16 holds every one exactly (a checkpoint stored in fp16), else as they are."""
+    half = weights.half()
+    return half if torch.equal(half.float(), weights) else weights
 
 
 def attend_coded(

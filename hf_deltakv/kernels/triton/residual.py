@@ -7,12 +7,14 @@
   quantized at the group's depth (absmax scale in fp16, codes rounded half to even) and packed (eight codes of `b`
   bits are `b` bytes) into the codes' room. Specification: `reference.encode_latent_into` (the same bytes but where
   the fp32 products' order moves a value across a rounding boundary).
-- `latent_stream_attention` (two launches): a split kernel over the coded tokens (all query heads of a kv head in one
-  program) decodes each tile's key latents from their packed groups, turns them into keys with the decoder (one group's
-  32 rows at a time), re-applies RoPE from the positions, scores them and folds the tile's value latents into an online
-  softmax, in latent space, then applies the value decoder once to what it summed (and the mean, by the softmax's
-  weight); the merge combines the splits, folds in the raw sinks and window, and normalises. Specification:
-  `reference.latent_stream_attention` (one query per head, or a chunk of up to 64).
+- `latent_stream_attention` (two launches): a split kernel over the coded tokens decodes each tile's key latents from
+  their packed groups, turns them into keys with the decoder (one group's 32 rows at a time), re-applies RoPE from the
+  positions, scores them and folds the tile's value latents into an online softmax, in latent space, then applies the
+  value decoder once to what it summed (and the mean, by the softmax's weight); the merge combines the splits, folds in
+  the raw sinks and window, and normalises. A token's latent codes serve all its kv heads, so a split program takes
+  every kv head of its token range (`heads_together`: their keys side by side, each query row scored against its own
+  head's channels) and reads the codes once; a chunk's rows, or heads too wide to hold, take a program per kv head.
+  Specification: `reference.latent_stream_attention` (one query per head, or a chunk of up to 64).
 
 Group parameters (depths, byte offsets, scale columns) are compile-time tuples: a layer's depths are fixed.
 """
@@ -29,7 +31,6 @@ from .common import (
     EXACT,
     FP16_MAX,
     mask_strides,
-    query_halves,
     query_rows,
     query_rows_at,
     query_strides,
@@ -42,8 +43,10 @@ from .common import (
 )
 
 TILE_TOKENS = 16  # coded tokens a program decodes and scores at a time
-TOKENS_PER_SPLIT = 256
+TOKENS_PER_SPLIT = 256  # a split's share of the coded tokens at least (fewer splits at short contexts)
 MAX_SPLITS = 64
+HELD_LATENTS = 4096  # fp32 value latents (query rows x stored components) a split program of several heads holds
+HELD_CHANNELS = 256  # key channels (heads x head_dim) a split program of several heads rebuilds a tile of
 ENCODE_ROWS = 16  # tokens a program of the encoder codes
 LATENT = tl.constexpr(GROUP)  # components of a latent group (the kernels' name for `quant.bitpack.GROUP`)
 
@@ -237,40 +240,82 @@ def _group_latent(token_codes, token_scales, valid, BITS: tl.constexpr, START: t
 
 
 @triton.jit
-def _product(a, b):
-    """`a @ b` in fp32 by broadcast products (`[M, K] @ [K, N]`, small M)."""
-    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+def _value_columns(LV: tl.constexpr, DEPTHS: tl.constexpr, STARTS: tl.constexpr, STREAMS: tl.constexpr,
+                   FIRSTS: tl.constexpr):  # fmt: skip
+    """Of the value latents' `LV` columns (stored groups side by side, padding after): each one's depth (0: padding),
+    its group's first byte in a token's codes, and its group's scale column."""
+    column = tl.arange(0, LV)
+    depth = tl.zeros((LV,), tl.int32)
+    start = tl.zeros((LV,), tl.int32)
+    scale_at = tl.zeros((LV,), tl.int32)
+    for i in tl.static_range(len(DEPTHS)):
+        if STREAMS[i] == 1:
+            mine = column // LATENT == FIRSTS[i] // LATENT
+            depth = tl.where(mine, DEPTHS[i], depth)
+            start = tl.where(mine, STARTS[i], start)
+            scale_at = tl.where(mine, i, scale_at)
+    return depth, start, scale_at
+
+
+@triton.jit
+def _value_latents(token_codes, token_scales, valid, depth, start, scale_at, LV: tl.constexpr):
+    """fp32 `[T, LV]` value latents of a tile of tokens (`_group_latent` of every stored value group at once; zeros in
+    the padding columns)."""
+    j = tl.arange(0, LV) % LATENT
+    bit = j * depth
+    at = token_codes + (start + bit // 8)[None, :]
+    shift = (bit % 8)[None, :]
+    live = valid[:, None] & (depth > 0)[None, :]
+    word = tl.load(at, mask=live, other=0).to(tl.int32)
+    word = word | (tl.load(at + 1, mask=live & (shift + depth[None, :] > 8), other=0).to(tl.int32) << 8)
+    code = (word >> shift) & ((1 << depth[None, :]) - 1)
+    qmax = (1 << tl.maximum(depth - 1, 0)) - 1
+    scale = tl.load(token_scales[:, None] + scale_at[None, :], mask=live, other=0.0).to(tl.float32)
+    return (code - qmax[None, :]).to(tl.float32) * scale
 
 
 @triton.jit
 def _latent_split_kernel(
     q_ptr, codes_ptr, scales_ptr, kdec_ptr, kmean_ptr, vdec_ptr, vmean_ptr, pos_ptr, freq_ptr, order_ptr, mask_ptr,
-    o_ptr, m_ptr, l_ptr,
-    heads, length, coded_column, per_split, scale, stream_width, causal_offset,
+    o_ptr, m_ptr, l_ptr, heads, length, coded_column, per_split, scale, stream_width, causal_offset, head_rows,
     sqb, sqh, sqg, sqi, scb, sct, ssb, sst, sxb, sxt, smb, smq, smt,
-    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, NV: tl.constexpr,
-    NV_PAD: tl.constexpr, DEPTHS: tl.constexpr, STARTS: tl.constexpr, STREAMS: tl.constexpr, FIRSTS: tl.constexpr,
-    ROPE: tl.constexpr, ORDER: tl.constexpr, MASK: tl.constexpr, NQ: tl.constexpr,
+    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, HP: tl.constexpr, HP_PAD: tl.constexpr, D: tl.constexpr,
+    T: tl.constexpr, NV: tl.constexpr, NV_PAD: tl.constexpr, DEPTHS: tl.constexpr, STARTS: tl.constexpr,
+    STREAMS: tl.constexpr, FIRSTS: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr, MASK: tl.constexpr,
+    NQ: tl.constexpr,
 ):  # fmt: skip
-    bh, split = tl.program_id(0), tl.program_id(1)
+    LV: tl.constexpr = NV_PAD * LATENT
+    pid, split = tl.program_id(0), tl.program_id(1)
     n_splits = tl.num_programs(1)
-    b, h = bh // heads, bh % heads
+    b, h0 = pid // (heads // HP), (pid % (heads // HP)) * HP  # the program's kv heads: h0...h0 + HP
     half: tl.constexpr = D // 2
-    c = tl.arange(0, half)
-    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
+    # this block's query rows over the program's heads: row r is row g = r % GROUP_Q (query g % NQ of query head
+    # g // NQ) of kv head h0 + r // GROUP_Q
+    r = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)
+    mine, g = r // GROUP_Q, r % GROUP_Q
+    live = r < HP * GROUP_Q
+    # the program's heads side by side: column x is channel pair c = x % half of head h0 + x // half
+    x = tl.arange(0, HP_PAD * half)
+    x_head, c = x // half, x % half
+    x_live = x_head < HP
     j = tl.arange(0, LATENT)
     if ORDER:  # the coded keys are canonical: so are the queries that meet them
         lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
     else:
         lo_at, hi_at = c, c + half
-    q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, lo_at, hi_at, g, GROUP_Q, NQ)
-    freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
-    mean_lo = tl.load(kmean_ptr + h * D + c)
-    mean_hi = tl.load(kmean_ptr + h * D + half + c)
-    slots = tl.arange(0, NV_PAD)
+    # each row's query in its head's columns, zeros in the others'
+    rows = query_rows_at(q_ptr, b, (h0 + mine)[:, None], g, sqb, sqh, sqg, sqi, NQ)
+    own = live[:, None] & (x_head[None, :] == mine[:, None])
+    q_lo = tl.load(rows + lo_at[None, :], mask=own, other=0.0).to(tl.float32)
+    q_hi = tl.load(rows + hi_at[None, :], mask=own, other=0.0).to(tl.float32)
+    freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((HP_PAD * half,), tl.float64)
+    columns = (h0 + x_head) * D + c  # the heads' first halves in the stream
+    mean_lo = tl.load(kmean_ptr + columns, mask=x_live, other=0.0)
+    mean_hi = tl.load(kmean_ptr + columns + half, mask=x_live, other=0.0)
+    depth, start_byte, scale_at = _value_columns(LV, DEPTHS, STARTS, STREAMS, FIRSTS)
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, NV_PAD, LATENT), tl.float32)  # the value latents, by stored group
+    acc = tl.zeros((G_PAD, NV_PAD, LATENT), tl.float32)  # the value latents the softmax weights summed, by group
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     for t0 in range(start, end, T):
@@ -280,19 +325,22 @@ def _latent_split_kernel(
             valid = valid & (tl.load(mask_ptr + b * smb + (coded_column + tok) * smt, mask=valid, other=0) != 0)
         token_codes = codes_ptr + b * scb + tok[:, None] * sct
         token_scales = scales_ptr + b * ssb + tok * sst
-        k_lo = tl.zeros((T, half), tl.float32) + mean_lo[None, :]
-        k_hi = tl.zeros((T, half), tl.float32) + mean_hi[None, :]
+        k_lo = tl.zeros((T, HP_PAD * half), tl.float32) + mean_lo[None, :]
+        k_hi = tl.zeros((T, HP_PAD * half), tl.float32) + mean_hi[None, :]
         for i in tl.static_range(len(DEPTHS)):  # keys: each stored group times its 32 rows of the decoder
             if STREAMS[i] == 0:
                 z = _group_latent(token_codes, token_scales, valid, DEPTHS[i], STARTS[i], i)
-                row = kdec_ptr + (j + FIRSTS[i])[:, None] * stream_width + h * D
-                k_lo += tl.dot(z, tl.load(row + c[None, :]), input_precision="ieee")
-                k_hi += tl.dot(z, tl.load(row + half + c[None, :]), input_precision="ieee")
+                row = kdec_ptr + (j + FIRSTS[i])[:, None] * stream_width + columns[None, :]
+                w_lo = tl.load(row, mask=x_live[None, :], other=0.0).to(tl.float32)
+                w_hi = tl.load(row + half, mask=x_live[None, :], other=0.0).to(tl.float32)
+                k_lo += tl.dot(z, w_lo, input_precision="ieee")
+                k_hi += tl.dot(z, w_hi, input_precision="ieee")
         if ROPE:
             pos = tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0)
             cos, sin = turned_cos_sin(pos[:, None], freqs[None, :])
             k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-        scores = (_product(q_lo, tl.trans(k_lo)) + _product(q_hi, tl.trans(k_hi))) * scale
+        scores = (tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+                  + tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")) * scale  # fmt: skip
         if NQ == 1:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         else:  # several queries (a chunk): each row's mask row, or its causal limit
@@ -302,24 +350,29 @@ def _latent_split_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        acc = acc * alpha[:, None, None]
-        for i in tl.static_range(len(DEPTHS)):  # values: the weights times each stored group's latents
-            if STREAMS[i] == 1:
-                z = _group_latent(token_codes, token_scales, valid, DEPTHS[i], STARTS[i], i)
-                at = (slots == FIRSTS[i] // LATENT)[None, :, None]
-                acc += tl.where(at, _product(p, z)[:, None, :], 0.0)
+        z = _value_latents(token_codes, token_scales, valid, depth, start_byte, scale_at, LV)
+        acc = acc * alpha[:, None, None] + tl.reshape(tl.dot(p, z, input_precision="ieee"), (G_PAD, NV_PAD, LATENT))
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    # the value decoder once per split: sum_t p_t (z_t D + mean) = (sum_t p_t z_t) D + mean sum_t p_t, by group
+    # the value decoder once per split: sum_t p_t (z_t D + mean) = (sum_t p_t z_t) D + mean sum_t p_t, by group; each
+    # row takes its own head's columns of the product with every head's
     e = tl.arange(0, D)
-    values = l_i[:, None] * tl.load(vmean_ptr + h * D + e)[None, :]
+    slots = tl.arange(0, NV_PAD)
+    y = tl.arange(0, HP_PAD * D)
+    y_head = y // D
+    values = l_i[:, None] * tl.load(vmean_ptr + (h0 + mine)[:, None] * D + e[None, :], mask=live[:, None], other=0.0)
+    decoded = tl.zeros((G_PAD, HP_PAD * D), tl.float32)
     for i in tl.static_range(NV):
-        rows = tl.sum(tl.where((slots == i)[None, :, None], acc, 0.0), axis=1)  # [G_PAD, LATENT]
-        values += _product(rows, tl.load(vdec_ptr + (j + i * LATENT)[:, None] * stream_width + h * D + e[None, :]))
-    out = (bh * n_splits + split) * (tl.num_programs(2) * G_PAD) + g
-    tl.store(o_ptr + out[:, None] * D + e[None, :], values)
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
+        latents = tl.sum(tl.where((slots == i)[None, :, None], acc, 0.0), axis=1)  # [G_PAD, LATENT]
+        weights = tl.load(vdec_ptr + (j + i * LATENT)[:, None] * stream_width + (h0 * D + y)[None, :],
+                          mask=(y_head < HP)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        decoded += tl.dot(latents, weights, input_precision="ieee")
+    decoded = tl.reshape(decoded, (G_PAD, HP_PAD, D))
+    values += tl.sum(tl.where((tl.arange(0, HP_PAD) == mine[:, None])[:, :, None], decoded, 0.0), axis=1)
+    out = ((b * heads + h0 + mine) * n_splits + split) * head_rows + g
+    tl.store(o_ptr + out[:, None] * D + e[None, :], values, mask=live[:, None])
+    tl.store(m_ptr + out, m_i, mask=live)
+    tl.store(l_ptr + out, l_i, mask=live)
 
 
 @triton.jit
@@ -355,16 +408,19 @@ def _latent_merge_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
+    live = g < GROUP_Q  # (the splits write no padding row)
     for s in range(n_splits):  # the splits, by log-sum-exp
         at = (bh * n_splits + s) * r_pad + g
-        m_s, l_s = tl.load(m_ptr + at), tl.load(l_ptr + at)
+        m_s = tl.load(m_ptr + at, mask=live, other=float("-inf"))
+        l_s = tl.load(l_ptr + at, mask=live, other=0.0)
         m_new = tl.maximum(m_i, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         mine, theirs = tl.exp(m_i - m_safe), tl.exp(m_s - m_safe)
         l_i = l_i * mine + l_s * theirs
-        acc = acc * mine[:, None] + tl.load(o_ptr + at[:, None] * D + e[None, :]) * theirs[:, None]
+        split = tl.load(o_ptr + at[:, None] * D + e[None, :], mask=live[:, None], other=0.0)
+        acc = acc * mine[:, None] + split * theirs[:, None]
         m_i = m_new
-    q = tl.load(query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ) + e[None, :], mask=(g < GROUP_Q)[:, None],
+    q = tl.load(query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ) + e[None, :], mask=live[:, None],
                 other=0.0).to(tl.float32)  # fmt: skip
     for t in range(sinks):
         key = tl.load(sk_ptr + b * skb + h * skh + t * skt + e)
@@ -377,7 +433,20 @@ def _latent_merge_kernel(
         m_i, l_i, acc = _fold_raw(q, key, value, window_column + t, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt,
                                   causal_offset, scale, MASK, NQ)  # fmt: skip
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # nothing seen gives zeros
-    tl.store(out_ptr + (bh * GROUP_Q + g[:, None]) * D + e[None, :], out, mask=(g < GROUP_Q)[:, None])
+    tl.store(out_ptr + (bh * GROUP_Q + g[:, None]) * D + e[None, :], out, mask=live[:, None])
+
+
+def heads_together(heads: int, group: int, n_queries: int, value_groups: int, dim: int) -> int:
+    """kv heads one split program serves (a divisor of `heads`): every one a single query's program holds (their
+    tokens' latent codes, shared by the heads, are then read once, not once per head) while its rows' value latents
+    (rows padded to 16, the matrix product's least height) stay within `HELD_LATENTS` and the heads' key channels
+    within `HELD_CHANNELS`; one for a chunk (its rows fill a program)."""
+    if n_queries > 1:
+        return 1
+    latents = triton.next_power_of_2(max(value_groups, 1)) * GROUP
+    fits = [n for n in range(1, heads + 1) if not heads % n and triton.next_power_of_2(n) * dim <= HELD_CHANNELS
+            and max(triton.next_power_of_2(n * group), 16) * latents <= HELD_LATENTS]  # fmt: skip
+    return max(fits, default=1)
 
 
 def supports(query: torch.Tensor, stream: LatentStream, raw: list, mask: torch.Tensor | None, n_queries: int = 1
@@ -417,6 +486,12 @@ def latent_stream_attention(
     value_groups = coder.value_decoder.shape[0] // GROUP
     nv_pad = triton.next_power_of_2(max(value_groups, 1))
     length = stream.length
+    together = heads_together(heads, group, n_queries, value_groups, dim)
+    # the split programs' rows: a block of at least 16 (their products are matrix products)
+    block = max(triton.next_power_of_2(together * group) if n_queries == 1 else rows.block, 16)
+    split_blocks = triton.cdiv(together * group, block)
+    # a program of `together` heads takes as many tokens as one of a head: each split program reads the queries and
+    # writes its partials, the same bytes for fewer tokens would be read over again
     splits = min(MAX_SPLITS, triton.cdiv(length, TOKENS_PER_SPLIT))
     per_split = triton.cdiv(triton.cdiv(length, splits), TILE_TOKENS) * TILE_TOKENS if splits else 0
     splits = triton.cdiv(length, per_split) if splits else 0
@@ -428,16 +503,17 @@ def latent_stream_attention(
     if splits:
         depths, starts, streams, firsts = groups_of(stream.bits)
         positions = rope.positions if rope is not None else query
-        _latent_split_kernel[(batch * heads, splits, rows.blocks)](
+        _latent_split_kernel[(batch * heads // together, splits, split_blocks)](
             query, stream.codes, stream.scales, coder.key_decoder, coder.key_mean, coder.value_decoder,
             coder.value_mean, positions, rope.freqs if rope is not None else query,
             order if order is not None else query, mask_rows, o, m, l_sum,
-            heads, length, coded_column, per_split, float(scale), stream_width, causal_offset,
+            heads, length, coded_column, per_split, float(scale), stream_width, causal_offset, padded,
             *strides, stream.codes.stride(0), stream.codes.stride(1), stream.scales.stride(0),
             stream.scales.stride(1), positions.stride(0), positions.stride(-1), *mask_strides(mask),
-            GROUP_Q=group, G_PAD=g_pad, D=dim, T=TILE_TOKENS, NV=value_groups, NV_PAD=nv_pad, DEPTHS=depths,
-            STARTS=starts, STREAMS=streams, FIRSTS=firsts, ROPE=rope is not None, ORDER=order is not None,
-            MASK=mask is not None, NQ=n_queries, num_warps=4 if dim < 128 else 8,
+            GROUP_Q=group, G_PAD=block, HP=together, HP_PAD=triton.next_power_of_2(together), D=dim,
+            T=TILE_TOKENS, NV=value_groups, NV_PAD=nv_pad, DEPTHS=depths, STARTS=starts, STREAMS=streams,
+            FIRSTS=firsts, ROPE=rope is not None, ORDER=order is not None, MASK=mask is not None, NQ=n_queries,
+            num_warps=4 if dim * together < 128 else 8,
         )  # fmt: skip
     out = torch.empty(batch, heads, group, dim, dtype=torch.float32, device=device)
     _latent_merge_kernel[(batch * heads, rows.blocks)](
