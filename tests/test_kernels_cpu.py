@@ -135,6 +135,51 @@ def test_bit_planes_kernels_match_the_reference(group, dim, seed):
     assert torch.equal(got.view_as(want), want)
 
 
+def _same_clipped(x, levels, clips):
+    low, span = x.amin(-2), x.amax(-2) - x.amin(-2)
+    want = kernels.reference.clipped_codes(x, low, span, levels, clips)
+    got = kernels.clipped_codes(x, low, span, levels, clips)
+    for a, b in zip(want, got, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([(8, 32), (16, 64), (32, 64), (64, 64), (32, 128), (64, 256)]),
+    st.booleans(),
+    st.floats(1e-3, 1e4),
+)
+def test_clipped_codes_kernel_gives_the_reference_bytes(seed, shape, clip, spread):
+    """The adaptive keys' range search in C++: the reference's codes, low and step (every candidate of CLIPS, or the
+    whole range alone), on fp16-valued groups with outlier channels and depths from 1 to 8 bits."""
+    from hf_deltakv.codecs.adaptive import MAX_BITS
+
+    group, dim = shape
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 3, group, dim, generator=g) * torch.rand(dim, generator=g) * spread).cumsum(-2)
+    x[..., ::7] *= 30  # outlier channels: wide ranges that clipping narrows
+    x[..., 0, 1::5] += spread * 50  # one extreme token in some channels
+    levels = ((1 << torch.randint(1, MAX_BITS + 1, (2, 3, dim), generator=g)) - 1).float()
+    _same_clipped(x.half().float(), levels, kernels.reference.CLIPS if clip else kernels.reference.CLIPS[:1])
+
+
+def test_clipped_codes_kernel_on_edge_groups():
+    """Constant channels (zero span and step), ties between candidates, non-finite values and fp16's extremes."""
+    x = torch.randn(4, 32, 16)
+    x[0, :, 0] = 3.0  # constant: every candidate the same, the first kept
+    x[0, :, 1] = 0.0
+    x[1, 5, 2] = float("nan")
+    x[1, 6, 3] = float("inf")
+    x[1, 7, 4] = -float("inf")
+    x[2, :, 5] = torch.linspace(-65504, 65504, 32)  # fp16's range: the step saturates
+    x[3] = x[3].round()  # integers: exact grids, ties between candidates' errors
+    levels = torch.full((4, 16), 3.0)
+    levels[:, ::3] = 255.0
+    _same_clipped(x, levels, kernels.reference.CLIPS)
+    _same_clipped(x, levels, kernels.reference.CLIPS[:1])
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([2, 8, 64, 256]), st.floats(1.0, 8.0), st.floats(1e-3, 1e6))
 def test_allocate_depths_kernel_gives_the_reference_depths(seed, dim, bits, spread):

@@ -18,7 +18,8 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     query_energy       cpu                         | -
     allocate_depths    cpu                         | - (inside code_groups on GPUs)
     pack_planes        cpu                         | - (inside code_groups on GPUs)
-    code_groups        allocate_depths+pack_planes | triton/adaptive_code.py (a group's whole coding, one launch)
+    clipped_codes      cpu                         | - (inside code_groups on GPUs)
+    code_groups        the three above             | triton/adaptive_code.py (a group's whole coding, one launch)
     copy_rows          -                           | triton/copy.py (grown storage, 8 copies a launch)
     decode_stream      cpu (adaptive groups)       | -
     decode_into        via decode_stream           | triton/reconstruct.py (adaptive keys, plain values)
@@ -374,6 +375,21 @@ def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return flat.view(*lead, total, group // 8)
 
 
+def clipped_codes(
+    x: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels: torch.Tensor, clips: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.clipped_codes` (each channel's clipped range and its codes), dispatched: the C++ kernel on the CPU
+    (one pass, the candidates' errors in registers and a few kilobytes; the same bytes but where two candidates'
+    errors tie to the last bit, tested), the reference otherwise."""
+    compiled = _cpu_extension(x.device) if x.dtype == torch.float32 else None
+    if compiled is None:
+        return reference.clipped_codes(x, low, span, levels, clips)
+    lead, (group, dim) = x.shape[:-2], x.shape[-2:]
+    flat = (t.reshape(-1, dim) for t in (low, span, levels))
+    codes, low, step = compiled.clipped_codes(x.reshape(-1, group, dim), *flat, clips)
+    return codes.view(*lead, group, dim), low.view(*lead, dim), step.view(*lead, dim)
+
+
 def code_groups(
     tail: torch.Tensor,
     pad: int,
@@ -385,15 +401,17 @@ def code_groups(
     at: int,
 ) -> None:
     """`reference.code_groups` (the adaptive keys' coding of complete groups, written into their storage's rows),
-    dispatched: one Triton launch on GPUs; elsewhere the reference with the depths and planes of `allocate_depths`
-    and `pack_planes` (C++ on the CPU). The same bytes (tested)."""
+    dispatched: one Triton launch on GPUs; elsewhere the reference with the depths, ranges and planes of
+    `allocate_depths`, `clipped_codes` and `pack_planes` (C++ on the CPU). The same bytes (tested)."""
     if use_triton(tail.device):
         from .triton.adaptive_code import code_groups as kernel
         from .triton.adaptive_code import serves
 
         if serves(tail.shape[-1], out[0].shape[-1] * 8) and all(t.stride(-1) == 1 for t in out):
             return kernel(tail, pad, groups, weights, total, clip_range, out, at)
-    reference.code_groups(tail, pad, groups, weights, total, clip_range, out, at, allocate_depths, pack_planes)
+    reference.code_groups(
+        tail, pad, groups, weights, total, clip_range, out, at, allocate_depths, pack_planes, clipped_codes
+    )
 
 
 def code_delta(x: torch.Tensor, base: torch.Tensor, long_term: torch.Tensor, fmt: str, intra: bool):

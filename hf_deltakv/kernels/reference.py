@@ -439,21 +439,24 @@ def encode_groups(
     clip_range: bool,
     allocate=allocate_depths,
     pack=_pack_planes,
+    clip=clipped_codes,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The adaptive keys' coding (`codecs.adaptive`) of groups `x` fp32 `[B, H, G, group, D]`: per group and channel
     a depth (`allocate_bits` of the range squared times `weights` fp32 `[B, H, G, D]`, the queries' mean pair
     energies, or the range alone when None), the clipped range that codes the channel best (`clipped_codes`; only the
     whole range without `clip_range`), and the codes as bit planes. Returns (planes, packed depths, low, step);
-    `allocate` and `pack` are `allocate_depths` and `quant.bitplanes.pack_planes` or kernels of their signatures."""
+    `allocate`, `pack` and `clip` are `allocate_depths`, `quant.bitplanes.pack_planes` and `clipped_codes` or
+    kernels of their signatures."""
     low, high = x.amin(3), x.amax(3)
     span = high - low
     score = span.pow(2) if weights is None else span.pow(2) * weights
     depths = allocate_bits(score, total, allocate)
     levels = ((1 << depths.long()) - 1).float()
     clips = CLIPS if clip_range else CLIPS[:1]  # the first candidate is the whole range
-    chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(clips), 1))  # groups per pass
+    chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(clips), 1))  # groups per pass of the reference
+    chunk = chunk if clip is clipped_codes else x.shape[2]  # (a kernel keeps no candidates' buffer: one pass)
     parts = [
-        clipped_codes(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips)
+        clip(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips)
         for g in range(0, x.shape[2], chunk)
     ]
     codes, low, step = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
@@ -471,6 +474,7 @@ def code_groups(
     at: int,
     allocate=allocate_depths,
     pack=_pack_planes,
+    clip=clipped_codes,
 ) -> None:
     """Code the first `groups` complete groups of an adaptive stream's raw tail into rows `at:at + groups` of its
     storage (`encode_groups`).
@@ -488,7 +492,7 @@ def code_groups(
     x = tail[:, :, : groups * group - pad].float()
     if pad:
         x = torch.cat([x[:, :, :1].expand(batch, heads, pad, dim), x], dim=2)
-    coded = encode_groups(x.view(batch, heads, groups, group, dim), weights, total, clip_range, allocate, pack)
+    coded = encode_groups(x.view(batch, heads, groups, group, dim), weights, total, clip_range, allocate, pack, clip)
     for stored, rows in zip(out, coded, strict=True):
         stored[:, :, at : at + groups] = rows
 

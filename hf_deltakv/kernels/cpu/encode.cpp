@@ -432,6 +432,83 @@ at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes) {
   return out;
 }
 
+// The adaptive keys' clipped ranges (kernels/reference.py: clipped_codes, the same fp32 operations in its order):
+// each channel of a group coded over the candidate range of `clips` with the least squared error, and its codes.
+// x fp32 [N, G, D], low and span fp32 [N, D] (the group's whole range), levels fp32 [N, D] (2^depth - 1), clips fp32
+// [C, 2] (rows of reference.CLIPS: fractions given up at the low and high ends). Returns codes uint8 [N, G, D], low
+// and step fp16 [N, D]. One exception to the same bytes: a candidate's squared errors are added over the tokens in
+// order, the reference adds them in torch's order, so a candidate whose error ties another's to the last bit may be
+// chosen differently (the same error, another range), as in the Triton kernel (triton/adaptive_code.py).
+std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor span, at::Tensor levels,
+                                      at::Tensor clips) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3, "x must be fp32 [N, G, D]");
+  const int64_t n = x.size(0), group = x.size(1), dim = x.size(2);
+  for (const at::Tensor* t : {&low, &span, &levels})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == dim,
+                "low, span and levels must be fp32 [N, D]");
+  TORCH_CHECK(clips.dim() == 2 && clips.size(1) == 2 && clips.size(0) >= 1, "clips must be [C, 2], C >= 1");
+  x = x.contiguous(), low = low.contiguous(), span = span.contiguous(), levels = levels.contiguous();
+  clips = clips.to(at::kFloat).contiguous();
+  const int64_t count = clips.size(0);
+  auto codes = at::empty({n, group, dim}, x.options().dtype(at::kByte));
+  auto out_low = at::empty({n, dim}, x.options().dtype(at::kHalf));
+  auto out_step = at::empty({n, dim}, x.options().dtype(at::kHalf));
+  const float *px = x.data_ptr<float>(), *pl = low.data_ptr<float>(), *ps = span.data_ptr<float>();
+  const float *pt = levels.data_ptr<float>(), *pc = clips.data_ptr<float>();
+  uint8_t* pcodes = codes.data_ptr<uint8_t>();
+  at::Half *plow = out_low.data_ptr<at::Half>(), *pstep = out_step.data_ptr<at::Half>();
+  // reference._grid_codes: round((x - low) * inverse), NaN to 0, within [0, top]
+  auto grid = [](float v, float l, float inverse, float top) {
+    float k = std::nearbyint((v - l) * inverse);
+    k = k == k ? k : 0.f;
+    return std::min(std::max(k, 0.f), top);
+  };
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> lows(count * dim), steps(count * dim), inverses(count * dim), errors(count * dim);
+    for (int64_t g = begin; g < end; ++g) {
+      const float *xg = px + g * group * dim, *lo = pl + g * dim, *sp = ps + g * dim, *top = pt + g * dim;
+      for (int64_t c = 0; c < count; ++c) {
+        const float give = pc[2 * c], keep = 1.0f - pc[2 * c + 1];
+        for (int64_t d = 0; d < dim; ++d) {
+          const float l = static_cast<float>(static_cast<c10::Half>(clampf(lo[d] + give * sp[d], -FP16_MAX, FP16_MAX)));
+          const float high = lo[d] + sp[d] * keep;
+          const float s = static_cast<float>(static_cast<c10::Half>(clampf((high - l) / top[d], 0.f, FP16_MAX)));
+          lows[c * dim + d] = l, steps[c * dim + d] = s, inverses[c * dim + d] = s > 0.f ? 1.0f / s : 0.f;
+        }
+      }
+      if (count > 1) {
+        std::fill(errors.begin(), errors.end(), 0.f);
+        for (int64_t c = 0; c < count; ++c) {
+          const float *l = lows.data() + c * dim, *s = steps.data() + c * dim, *inv = inverses.data() + c * dim;
+          float* err = errors.data() + c * dim;
+          for (int64_t t = 0; t < group; ++t) {
+            const float* v = xg + t * dim;
+            for (int64_t d = 0; d < dim; ++d) {
+              const float e = (grid(v[d], l[d], inv[d], top[d]) * s[d] + l[d]) - v[d];
+              err[d] += e * e;
+            }
+          }
+        }
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        int64_t best = 0;
+        float least = 0.f;
+        for (int64_t c = 0; c < count && count > 1; ++c) {  // nan_to_num(inf), then the first least (argmin)
+          float e = errors[c * dim + d];
+          e = e != e ? std::numeric_limits<float>::infinity()
+                     : (e == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::max() : e);
+          if (c == 0 || e < least) best = c, least = e;
+        }
+        const float l = lows[best * dim + d], s = steps[best * dim + d], inv = inverses[best * dim + d];
+        plow[g * dim + d] = static_cast<c10::Half>(l), pstep[g * dim + d] = static_cast<c10::Half>(s);
+        for (int64_t t = 0; t < group; ++t)
+          pcodes[(g * group + t) * dim + d] = static_cast<uint8_t>(grid(xg[t * dim + d], l, inv, top[d]));
+      }
+    }
+  });
+  return {codes, out_low, out_step};
+}
+
 // Decoded values of whole adaptive groups (kernels/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed
 // depths uint8 [N, D / 2] (quant.pack_4bit), low and step fp16 [N, D]. Returns fp32 [N, G, D] of fp16 values.
 at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step) {

@@ -23,6 +23,8 @@ std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tenso
 at::Tensor query_energy(at::Tensor query, at::Tensor order);
 at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_t steps);
 at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes);
+std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor span, at::Tensor levels,
+                                      at::Tensor clips);
 at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step);
 
 at::Tensor dequantize_latent(at::Tensor packed, at::Tensor scales, std::vector<int64_t> bits, at::Tensor out);
@@ -41,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("query_energy", &query_energy, "the queries' pair energies averaged over the heads of a kv head");
   m.def("allocate_depths", &allocate_depths, "the adaptive keys' depths by reverse water-filling");
   m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (quant/bitplanes.py)");
+  m.def("clipped_codes", &clipped_codes, "the adaptive keys' clipped ranges and codes (reference.clipped_codes)");
   m.def("decode_planes", &decode_planes, "decoded values of whole adaptive groups (reference.decode_adaptive)");
   m.def("dequantize_latent", &dequantize_latent, "the residual cache's packed latent groups to fp32 or bf16");
   m.def("vector_latent_decode", &vector_latent_decode, "switch the vector latent decoder (tests); previous setting");
