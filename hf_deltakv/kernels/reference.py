@@ -456,8 +456,7 @@ def encode_groups(
     chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(clips), 1))  # groups per pass of the reference
     chunk = chunk if clip is clipped_codes else x.shape[2]  # (a kernel keeps no candidates' buffer: one pass)
     parts = [
-        clip(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips)
-        for g in range(0, x.shape[2], chunk)
+        clip(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips) for g in range(0, x.shape[2], chunk)
     ]
     codes, low, step = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
     return pack(codes, depths), pack_4bit(depths), low, step
