@@ -325,6 +325,33 @@ def test_decode_attention_reads_latents_like_the_decoded_history(arch, decoder, 
         torch.testing.assert_close(served, expected, rtol=tolerance, atol=tolerance)
 
 
+def test_key_decoder_dtype_follows_the_cpu_and_the_environment(monkeypatch):
+    """bf16 where the CPU has AMX tiles or AVX512-BF16, fp32 elsewhere and on GPUs; HF_DELTAKV_KEY_DECODER forces
+    either on the CPU, and anything else it says is refused."""
+    cpu = torch.device("cpu")
+
+    def choice(amx, bf16, forced=None):
+        residual_attention.key_decoder_dtype.cache_clear()
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+        if forced is None:
+            monkeypatch.delenv(residual_attention.KEY_DECODER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(residual_attention.KEY_DECODER_ENV, forced)
+        return residual_attention.key_decoder_dtype(cpu)
+
+    try:
+        assert choice(True, False) == choice(False, True) == torch.bfloat16
+        assert choice(False, False) == torch.float32
+        assert choice(True, True, "float32") == torch.float32 and choice(False, False, "bfloat16") == torch.bfloat16
+        residual_attention.key_decoder_dtype.cache_clear()
+        assert residual_attention.key_decoder_dtype(torch.device("meta")) == torch.float32  # not a CPU
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            choice(True, True, "fp8")
+    finally:
+        residual_attention.key_decoder_dtype.cache_clear()
+
+
 def test_decode_attention_follows_a_decoder_changed_in_place():
     """The served decoder is prepared once, then again whenever the compressor's weights change (in place too)."""
     model = tiny_model("llama")

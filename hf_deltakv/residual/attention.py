@@ -9,9 +9,10 @@ matrix product), RoPE re-applied, and scored; each chunk's softmax statistics ar
 raw sinks and window (`OnlineSoftmax.merge`). Transient memory is one chunk, whatever the context.
 
 The keys' decoder product is most of a step's arithmetic (every kept latent component times every channel, for every
-cached token). On CPUs with bf16 matrix units (AMX) it runs in bf16 (`key_decoder_dtype`): latents and decoder rounded
-to bf16, the product rounded to bf16, the mean added and RoPE applied in fp32 in the kernel. bf16 keeps 8 significant
-bits, finer than the 3-6-bit latent codes it multiplies, but it is a rounding the specification does not make.
+cached token). On CPUs with bf16 matrix units (AMX) or bf16 dot products (AVX512-BF16) it runs in bf16
+(`key_decoder_dtype`): latents and decoder rounded to bf16, the product rounded to bf16, the mean added and RoPE applied
+in fp32 in the kernel. bf16 keeps 8 significant bits, finer than the 3-6-bit latent codes it multiplies, but it is a
+rounding the specification does not make (`HF_DELTAKV_KEY_DECODER=float32` keeps the product in fp32).
 
 Specification: the layer's `reconstruct()` followed by SDPA (fp32 decoder: tested within fp32 rounding; bf16 decoder:
 within the tolerance `tests/test_residual.py` states).
@@ -20,6 +21,7 @@ within the tolerance `tests/test_residual.py` states).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -31,6 +33,7 @@ from ..kernels.online_softmax import OnlineSoftmax
 from ..quant.bitpack import GROUP
 from .compressor import LayerCompressor
 
+KEY_DECODER_ENV = "HF_DELTAKV_KEY_DECODER"  # forces the keys' decoder product's dtype (float32: the specification's)
 CHUNK_TOKENS = 4096  # coded tokens decoded at a time: one chunk up to 4K tokens (fewer small ops; ~6 MB transient)
 # The keys' decoder product runs on a multiple of this many rows (zeros after the latents): its shape then changes
 # every 256 steps, not every step, and oneDNN reuses its prepared product (a new shape costs more than the product).
@@ -39,14 +42,22 @@ PRODUCT_ROWS = 256
 
 @functools.cache
 def key_decoder_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CPUs with AMX tiles (bf16 matrix products there run several times faster than fp32 ones), fp32 elsewhere
-    (without matrix units bf16 products are no faster, and GPUs take the reference path)."""
+    """The dtype of the keys' decoder product on `device`: on CPUs, `HF_DELTAKV_KEY_DECODER` (float32 or bfloat16)
+    when set (read once per device), else bf16 where there are AMX tiles or AVX512-BF16 dot products (oneDNN's bf16
+    products run several times, or about twice, as fast as fp32 ones there) and fp32 elsewhere (with AVX2 alone bf16
+    products are no faster); fp32 on GPUs, which take the reference path."""
     if device.type != "cpu":
         return torch.float32
+    forced = os.environ.get(KEY_DECODER_ENV, "")
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{KEY_DECODER_ENV} must be float32 or bfloat16, got {forced!r}")
+        return getattr(torch, forced)
     try:
-        return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
-    except (AttributeError, RuntimeError):  # a torch without the probe
+        fast = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch without the probes
         return torch.float32
+    return torch.bfloat16 if fast else torch.float32
 
 
 def _served(
