@@ -10,6 +10,9 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -123,6 +126,45 @@ void quantize_block_searched(const float* x, int64_t bs, const std::vector<doubl
     finite = finite && std::isfinite(x[j]);
     if (j && std::fabs(x[j]) > std::fabs(x[imax])) imax = j;
   }
+#if defined(__AVX512F__)
+  if (bs == 16 || bs == 32) {  // the same steps in 16 lanes; the squared errors summed in float64 lanes (each square
+                               // exact in float64; the reference sums them in torch's order, not in index order)
+    const int vectors = static_cast<int>(bs / 16);
+    __m512 xs[2], best[2];
+    for (int v = 0; v < vectors; ++v) xs[v] = _mm512_loadu_ps(x + 16 * v);
+    const __m512 half_up = _mm512_set1_ps(8.5f), eight = _mm512_set1_ps(8.f), fifteen = _mm512_set1_ps(15.f);
+    const __m512 zero = _mm512_setzero_ps(), most = _mm512_set1_ps(std::numeric_limits<float>::max());
+    float best_d = 0.f;
+    double best_err = 0.0;
+    for (size_t k = 0; k < divisors.size(); ++k) {
+      const float d = clampf(x[imax] / -static_cast<float>(divisors[k]), -FP16_MAX, FP16_MAX);
+      const float inv = reciprocal(d), stored = static_cast<float>(at::Half(d));
+      __m512d sum = _mm512_setzero_pd();
+      __m512 q[2];
+      for (int v = 0; v < vectors; ++v) {
+        __m512 c = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xs[v], _mm512_set1_ps(inv)), half_up),
+                                        _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(c), most, _CMP_LE_OQ), c);  // finite_or_zero
+        q[v] = _mm512_min_ps(_mm512_max_ps(c, zero), fifteen);
+        const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(q[v], eight), _mm512_set1_ps(stored)), xs[v]);
+        const __m512d e0 = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
+        const __m512d e1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+        sum = _mm512_fmadd_pd(e1, e1, _mm512_fmadd_pd(e0, e0, sum));  // exact squares: as a multiply, then an add
+      }
+      const double err = _mm512_reduce_add_pd(sum);
+      if (k == 0 || err < best_err) {
+        best_err = err, best_d = d;
+        for (int v = 0; v < vectors; ++v) best[v] = q[v];
+      }
+    }
+    alignas(64) int32_t codes32[32];
+    for (int v = 0; v < vectors; ++v) _mm512_store_si512(codes32 + 16 * v, _mm512_cvttps_epi32(best[v]));
+    const int64_t half = bs / 2;
+    for (int64_t j = 0; j < half; ++j) codes[j] = static_cast<uint8_t>(codes32[j] | (codes32[j + half] << 4));
+    *scale = at::Half(finite ? best_d : std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+#endif
   std::vector<uint8_t> q(bs), best_q(bs);
   float best_d = 0.f;
   double best_err = 0.0;
@@ -528,16 +570,40 @@ at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, a
       for (int64_t c = 0; c < dim; ++c) {
         const uint8_t packed = pd[g * (dim / 2) + (c < dim / 2 ? c : c - dim / 2)];
         const int bits = c < dim / 2 ? (packed & 0x0F) : (packed >> 4);
-        std::fill(code.begin(), code.end(), 0u);
-        for (int b = 0; b < bits; ++b, ++plane) {
-          const uint8_t* row = pp + (g * count + plane) * width;
-          for (int64_t j = 0; j < group; ++j) code[j] |= static_cast<uint32_t>((row[j / 8] >> (j % 8)) & 1) << b;
-        }
         const float lo = static_cast<float>(pl[g * dim + c]), s = static_cast<float>(ps[g * dim + c]);
-        for (int64_t j = 0; j < group; ++j) {  // fp16 values (reference: decode_groups), saturated, NaN kept
-          const float value = clampf(lo + static_cast<float>(code[j]) * s, -FP16_MAX, FP16_MAX);
-          po[(g * group + j) * dim + c] = static_cast<float>(static_cast<c10::Half>(value));
+        const uint8_t* planes_c = pp + (g * count + plane) * width;
+        float* out_c = po + g * group * dim + c;
+        int64_t j0 = 0;  // tokens decoded by the vector loop
+#if defined(__AVX512F__)
+        // 16 tokens at a time: the 16 bits of two plane bytes are a lane mask adding 2^b to the integer codes, then
+        // the reference's fp32 multiply and add (no fused multiply-add), fp16 rounding, and a store every `dim`.
+        const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(static_cast<int32_t>(dim)));
+        const __m512 vlo = _mm512_set1_ps(lo), vs = _mm512_set1_ps(s);
+        const __m512 most = _mm512_set1_ps(FP16_MAX), least = _mm512_set1_ps(-FP16_MAX);
+        for (; j0 + 16 <= group; j0 += 16) {
+          __m512i codes = _mm512_setzero_si512();
+          for (int b = 0; b < bits; ++b) {
+            uint16_t mask;
+            std::memcpy(&mask, planes_c + b * width + j0 / 8, sizeof mask);
+            codes = _mm512_mask_add_epi32(codes, mask, codes, _mm512_set1_epi32(1 << b));
+          }
+          __m512 value = _mm512_add_ps(vlo, _mm512_mul_ps(_mm512_cvtepi32_ps(codes), vs));
+          value = _mm512_max_ps(least, _mm512_min_ps(most, value));  // NaN (the second operand) kept
+          value = _mm512_cvtph_ps(_mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          _mm512_i32scatter_ps(out_c + j0 * dim, stride, value, 4);
         }
+#endif
+        std::fill(code.begin() + j0, code.end(), 0u);
+        for (int b = 0; b < bits; ++b) {
+          const uint8_t* row = planes_c + b * width;
+          for (int64_t j = j0; j < group; ++j) code[j] |= static_cast<uint32_t>((row[j / 8] >> (j % 8)) & 1) << b;
+        }
+        for (int64_t j = j0; j < group; ++j) {  // fp16 values (reference: decode_groups), saturated, NaN kept
+          const float value = clampf(lo + static_cast<float>(code[j]) * s, -FP16_MAX, FP16_MAX);
+          out_c[j * dim] = static_cast<float>(static_cast<c10::Half>(value));
+        }
+        plane += bits;
       }
     }
   });

@@ -456,8 +456,7 @@ struct Stream {
       const int bits = c < dim / 2 ? (packed & 0x0F) : (packed >> 4);
       const float s = static_cast<float>(gs[c]), lo = static_cast<float>(gl[c]);
       float* row = direct ? kt + c * tile : whole;
-      decode_channel(gp + plane * width, bits, width, s, lo, row);
-      round_to_fp16(row, group);
+      decode_channel(gp + plane * width, bits, width, s, lo, row);  // fp16 values
       plane += bits;
       if (!direct) std::copy(whole + j0, whole + j0 + n, kt + c * tile);
     }
@@ -479,18 +478,25 @@ struct Stream {
   }
 #endif
 
-  // One channel of a group: out[j] = lo + step * code_j, code_j gathered from `bits` planes of `width` bytes.
+  // One channel of a group: out[j] = lo + step * code_j rounded to fp16 (saturated, NaN kept), code_j gathered from
+  // `bits` planes of `width` bytes.
   static void decode_channel(const uint8_t* planes, int bits, int64_t width, float step, float lo, float* out) {
 #if defined(__AVX512F__)
-    // Each 16 bits of a plane are a lane mask: a set bit adds step * 2^b to its token.
+    // Each 16 bits of a plane are a lane mask: a set bit adds 2^b to its token's integer code; then lo + code * step
+    // (the reference's multiply and add) rounded to fp16 in the registers.
+    const __m512 most = _mm512_set1_ps(static_cast<float>(std::numeric_limits<c10::Half>::max()));
+    const __m512 least = _mm512_sub_ps(_mm512_setzero_ps(), most);
     for (int64_t chunk = 0; chunk + 2 <= width; chunk += 2) {
-      __m512 acc = _mm512_set1_ps(lo);
+      __m512i code = _mm512_setzero_si512();
       for (int b = 0; b < bits; ++b) {
         uint16_t mask;
         std::memcpy(&mask, planes + b * width + chunk, sizeof mask);
-        acc = _mm512_mask_add_ps(acc, mask, acc, _mm512_set1_ps(step * static_cast<float>(1 << b)));
+        code = _mm512_mask_add_epi32(code, mask, code, _mm512_set1_epi32(1 << b));
       }
-      _mm512_storeu_ps(out + chunk * 8, acc);
+      __m512 value = _mm512_add_ps(_mm512_set1_ps(lo), _mm512_mul_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(step)));
+      value = _mm512_max_ps(least, _mm512_min_ps(most, value));  // NaN (the second operand) kept
+      _mm512_storeu_ps(out + chunk * 8,
+                       _mm512_cvtph_ps(_mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
     }
     if (width % 2) {  // a group of 8 tokens: one byte per plane
       const int64_t chunk = width - 1;
@@ -498,14 +504,17 @@ struct Stream {
       for (int b = 0; b < bits; ++b)
         acc = _mm256_mask_add_ps(acc, planes[b * width + chunk], acc, _mm256_set1_ps(step * static_cast<float>(1 << b)));
       _mm256_storeu_ps(out + chunk * 8, acc);
+      round_to_fp16(out + chunk * 8, 8);
     }
+    return;
 #elif defined(__AVX2__)
     switch (width) {
-      case 1: return decode_channel_avx2<1>(planes, bits, step, lo, out);
-      case 2: return decode_channel_avx2<2>(planes, bits, step, lo, out);
-      case 4: return decode_channel_avx2<4>(planes, bits, step, lo, out);
-      default: return decode_channel_avx2<8>(planes, bits, step, lo, out);
+      case 1: decode_channel_avx2<1>(planes, bits, step, lo, out); break;
+      case 2: decode_channel_avx2<2>(planes, bits, step, lo, out); break;
+      case 4: decode_channel_avx2<4>(planes, bits, step, lo, out); break;
+      default: decode_channel_avx2<8>(planes, bits, step, lo, out);
     }
+    round_to_fp16(out, width * 8);
 #else
     for (int64_t i = 0; i < width; ++i) {
       float a[8];
@@ -519,6 +528,7 @@ struct Stream {
       }
       std::copy(a, a + 8, out + i * 8);
     }
+    round_to_fp16(out, width * 8);
 #endif
   }
 };
