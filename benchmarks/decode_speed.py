@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ctx", default="1024,4096,8192", help="prompt lengths, comma-separated")
     parser.add_argument("--new", type=int, default=32, help="tokens decoded after the prompt")
-    parser.add_argument("--caches", default=",".join(CACHES))
+    parser.add_argument(
+        "--caches",
+        default=",".join(CACHES),
+        help="cache specs separated by ',', or by ';' when one has parameters (delta:kf=64,bits=3.5)",
+    )
     parser.add_argument("--text", default="stdlib-code", help="built-in text or file (needs >= ctx tokens)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in args.ranks.split(",")
         for ctx in args.ctx.split(",")
         for dtype in args.dtypes.split(",")
-        for spec in args.caches.split(",")
+        for spec in (args.caches.split(";") if ";" in args.caches else args.caches.split(","))
     ]
     runs: dict[tuple, list[dict]] = {config: [] for config in configs}
     for round_ in range(args.rounds):

@@ -13,7 +13,9 @@ from hf_deltakv import kernels
 from hf_deltakv.kernels.cpu import extension
 from hf_deltakv.quant import QuantizedTensor
 
-FORMATS = ["q4_0", "q4_0_16", "q4_1", "q4_1_16", "q8_0"]
+FORMATS = ["q4_0", "q4_0_16", "q4_1", "q4_1_16", "q8_0"]  # the delta codec's blocks too
+QUANTIZED = [*FORMATS, "q3_0"]  # what the C++ quantizer codes
+SEARCHED = ("q4_0", "q4_0_16", "q3_0")  # formats with a searched scale
 values = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 
 
@@ -30,16 +32,16 @@ def test_extension_builds():
 @settings(max_examples=80, deadline=None)
 @given(
     arrays(np.float32, st.tuples(st.integers(1, 5), st.sampled_from([32, 64, 96])), elements=values),
-    st.sampled_from(FORMATS),
+    st.sampled_from(QUANTIZED),
     st.booleans(),
 )
 def test_quantize_kernel_is_byte_identical(x, fmt, search):
     t = torch.from_numpy(x + np.float32(0.0))
-    search = search and fmt in ("q4_0", "q4_0_16")  # the scale search: the q4_0 family's encoder option
+    search = search and fmt in SEARCHED  # the scale search: an encoder option of the symmetric formats
     _same_bytes(kernels.quantize(t, fmt, search), kernels.reference.quantize(t, fmt, search))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", QUANTIZED)
 def test_quantize_kernel_on_edge_blocks(fmt):
     x = torch.zeros(6, 32)
     x[1] = 1.1754944e-38  # reciprocal scale overflows
@@ -48,7 +50,7 @@ def test_quantize_kernel_on_edge_blocks(fmt):
     x[4, ::2] = -2.0
     x[5] = 7.5
     _same_bytes(kernels.quantize(x, fmt), kernels.reference.quantize(x, fmt))
-    if fmt in ("q4_0", "q4_0_16"):
+    if fmt in SEARCHED:
         _same_bytes(kernels.quantize(x, fmt, True), kernels.reference.quantize(x, fmt, True))
     big = torch.randn(700, 3, 64)  # a prefill: rows spread over threads
     _same_bytes(kernels.quantize(big, fmt), kernels.reference.quantize(big, fmt))
@@ -69,11 +71,11 @@ def test_code_delta_kernel_is_byte_identical(seed, fmt, intra, spread):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from(FORMATS), st.booleans(), st.integers(0, 5))
+@given(st.integers(0, 2**31 - 1), st.sampled_from(QUANTIZED), st.booleans(), st.integers(0, 5))
 def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, search, at):
     """A decoded token per head quantized in place into storage with room (strided rows), the bytes of `quantize`; the
     rows around it untouched."""
-    search = search and fmt in ("q4_0", "q4_0_16")
+    search = search and fmt in SEARCHED
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, 1, 64, generator=g) * torch.rand(2, 3, 1, 1, generator=g) * 10
     x[0, 1, 0, :5] = torch.tensor([0.0, -0.0, 1e-30, 6e4, -7e4])  # zeros, a subnormal, values past fp16's range
@@ -106,6 +108,22 @@ def test_undo_rope_kernel_is_the_reference(seed, reorder, n, start):
     order = torch.randperm(64, generator=g) if reorder else None
     got = kernels.undo_rope(keys, positions, freqs, order)
     assert torch.equal(got, kernels.reference.undo_rope(keys, positions, freqs, order))
+
+
+def test_q3_0_is_coded_by_the_kernel(monkeypatch):
+    """q3_0 (values below 4 bits) is quantized in C++ as a prefill and as a decoding step's token, never by the
+    PyTorch reference."""
+    x = torch.randn(2, 3, 1, 64)
+    want = kernels.reference.quantize(x, "q3_0", True)
+    target = want.map(lambda t: torch.zeros(2, 3, 4, *t.shape[3:], dtype=t.dtype))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(kernels.reference, "quantize", refused)
+    _same_bytes(kernels.quantize(x, "q3_0", True), want)
+    kernels.quantize_at(x, "q3_0", True, target, 2)
+    _same_bytes(target.map(lambda t: t[:, :, 2:3]), want)
 
 
 def test_forced_reference_skips_the_encode_kernels(monkeypatch):

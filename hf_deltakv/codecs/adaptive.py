@@ -99,11 +99,12 @@ class AdaptiveChannelCodec(RawTailCodec):
         if not n:
             return
         total = self.energy if self.energy is not None else torch.zeros_like(energy[:, :, 0])
+        running = energy.cumsum(2)  # running[:, :, k - 1]: the first k positions' sum (one pass, not one per group)
         start = -(-(first + 1) // self.group) * self.group  # group starts s with first < s <= first + n
         for s in range(start, first + n + 1, self.group):
             if s // self.group >= self.first_group + self.coded:
-                self.before_group[s // self.group] = (total + energy[:, :, : s - first].sum(2), s)
-        self.energy = total + energy.sum(2)
+                self.before_group[s // self.group] = (total + running[:, :, s - first - 1], s)
+        self.energy = total + running[:, :, -1]
         self.observed = first + n
 
     def observe_chunk(self, query: torch.Tensor, order: torch.Tensor | None, kv_heads: int, first: int) -> None:

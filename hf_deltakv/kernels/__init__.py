@@ -10,7 +10,7 @@ codec objects.
 
 The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kernel tested against `reference.py`):
 
-    quantize           cpu/encode.cpp              | triton/quantize.py (not with a searched scale)
+    quantize           cpu/encode.cpp (q3_0 too)   | triton/quantize.py (not with a searched scale, not q3_0)
     quantize_at        cpu/encode.cpp (one token)  | triton/append.py (every format: rotate + search + pack)
     undo_rope_into     cpu undo_rope + a copy      | triton/append.py
     add_query_energy   cpu query_energy + an add   | triton/append.py
@@ -188,23 +188,26 @@ def _cpu_extension(device: torch.device):
     return prebuilt() if choice == "prebuilt" else extension()
 
 
-ENCODED_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # what cpu/encode.cpp and triton/quantize.py code
+ENCODED_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # what triton/quantize.py and the delta codec's kernels code
+CPU_QUANTIZED_KINDS = (*ENCODED_KINDS, Kind.Q3_SYM)  # what cpu/encode.cpp quantizes
 
 
-def _encodes(fmt: str, dim: int) -> bool:
-    """Formats the encode kernels serve (llama.cpp's block arithmetic: not f16, not q3_0), with blocks tiling `dim`."""
-    return get_format(fmt).kind in ENCODED_KINDS and dim % get_format(fmt).block_size == 0
+def _encodes(fmt: str, dim: int, kinds: tuple = ENCODED_KINDS) -> bool:
+    """Formats of `kinds` (llama.cpp's block arithmetic by default: not f16, not q3_0), with blocks tiling `dim`."""
+    return get_format(fmt).kind in kinds and dim % get_format(fmt).block_size == 0
 
 
 def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
-    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU, the Triton kernel on GPUs (without
-    `search_scale`), the reference otherwise; the same bytes on every path (tested)."""
-    if not _encodes(fmt, x.shape[-1]):
+    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU (q3_0 too), the Triton kernel on GPUs
+    (without `search_scale`, not q3_0), the reference otherwise; the same bytes on every path (tested)."""
+    if not _encodes(fmt, x.shape[-1], CPU_QUANTIZED_KINDS):
         return reference.quantize(x, fmt, search_scale)
-    if use_triton(x.device) and not search_scale:
-        from .triton.quantize import quantize as kernel
+    if use_triton(x.device):
+        if not search_scale and _encodes(fmt, x.shape[-1]):
+            from .triton.quantize import quantize as kernel
 
-        return kernel(x, fmt)
+            return kernel(x, fmt)
+        return reference.quantize(x, fmt, search_scale)
     compiled = _cpu_extension(x.device)
     if compiled is not None:
         from .cpu.encode import quantize as kernel
@@ -226,7 +229,8 @@ def quantize_at(
 
         if serves_quantize(fmt, x.shape[-1]) and _rows_contiguous(target):
             return kernel(x, fmt, search_scale, target, at, rotation)
-    compiled = _cpu_extension(x.device) if x.shape[2] == 1 and _encodes(fmt, x.shape[-1]) else None
+    one = x.shape[2] == 1 and _encodes(fmt, x.shape[-1], CPU_QUANTIZED_KINDS)
+    compiled = _cpu_extension(x.device) if one else None
     if compiled is None:  # the dispatched `quantize` (Triton on GPUs), then a copy
         rows = rotate(x) if rotation else x.float()
         return reference.write_rows(target, quantize(rows, fmt, search_scale), at)

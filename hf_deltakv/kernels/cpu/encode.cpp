@@ -1,7 +1,7 @@
-// Encoding one decoded token on the CPU: block quantization (q4_0, q4_1, q8_0 and the 16-wide variants) and the
-// delta codec's closed-loop inter/intra step. Specifications: hf_deltakv.quant.quantize and
-// hf_deltakv.kernels.reference.code_delta; the bytes must be identical (tested), so this file keeps IEEE single-precision
-// arithmetic in the reference's order, with no fused multiply-adds.
+// Encoding on the CPU: block quantization (q4_0, q4_1, q8_0, the 16-wide variants and our q3_0), the delta codec's
+// closed-loop inter/intra step, and the adaptive keys' group coding (depths, clipped ranges, bit planes). Specifications:
+// hf_deltakv.quant.quantize and hf_deltakv.kernels.reference; the bytes must be identical (tested), so this file keeps
+// IEEE single-precision arithmetic in the reference's order, with no fused multiply-adds (but where a product is exact).
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,7 +26,43 @@ namespace {
 #if !defined(HFD_KIND_Q4_SYM)
 #error "build through hf_deltakv.kernels.cpu: the format ids come from hf_deltakv.kernels.layout.constants()"
 #endif
-enum Format : int64_t { Q4_SYM = HFD_KIND_Q4_SYM, Q4_ASYM = HFD_KIND_Q4_ASYM, Q8 = HFD_KIND_Q8 };
+enum Format : int64_t {
+  Q4_SYM = HFD_KIND_Q4_SYM,
+  Q4_ASYM = HFD_KIND_Q4_ASYM,
+  Q8 = HFD_KIND_Q8,
+  Q3_SYM = HFD_KIND_Q3_SYM
+};
+
+// Bytes of one block's codes: 8-bit, 4-bit pairs, or q3_0's 12 bytes per 32 (quant/packing.py: pack_3bit).
+inline int64_t block_bytes(int64_t format, int64_t bs) {
+  return format == Q8 ? bs : format == Q3_SYM ? bs * 3 / 8 : bs / 2;
+}
+
+// The symmetric formats' code offset (quant/blocks.py: codes trunc(x / scale + offset + 0.5) in 0..2 * offset - 1).
+inline float symmetric_offset(int64_t format) { return format == Q3_SYM ? 4.f : 8.f; }
+
+// Codes of one symmetric block into its bytes: 4-bit pairs (element j low, j + bs/2 high), or q3_0's layout (byte j
+// of 0-7: the low 2 bits of codes j, 8 + j, 16 + j, 24 + j at bits 0, 2, 4, 6; byte 8 + i: the high bits of codes
+// 8i..8i + 7).
+template <typename T>
+void pack_symmetric(const T* q, int64_t bs, int64_t format, uint8_t* codes) {
+  if (format == Q3_SYM) {
+    for (int j = 0; j < 8; ++j) {
+      int byte = 0;
+      for (int i = 0; i < 4; ++i) byte |= (static_cast<int>(q[8 * i + j]) & 3) << (2 * i);
+      codes[j] = static_cast<uint8_t>(byte);
+    }
+    for (int i = 0; i < 4; ++i) {
+      int byte = 0;
+      for (int k = 0; k < 8; ++k) byte |= ((static_cast<int>(q[8 * i + k]) >> 2) & 1) << k;
+      codes[8 + i] = static_cast<uint8_t>(byte);
+    }
+    return;
+  }
+  const int64_t half = bs / 2;
+  for (int64_t j = 0; j < half; ++j)
+    codes[j] = static_cast<uint8_t>(static_cast<int>(q[j]) | (static_cast<int>(q[j + half]) << 4));
+}
 // fp16's largest finite value, where scales saturate (quant/blocks.py: FP16_MAX).
 const float FP16_MAX = static_cast<float>(std::numeric_limits<c10::Half>::max());
 
@@ -58,17 +94,19 @@ void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, 
   }
   const int64_t half = bs / 2;
   std::vector<uint8_t> q(bs);
-  if (format == Q4_SYM) {
+  if (format == Q4_SYM || format == Q3_SYM) {
+    const float offset = symmetric_offset(format);
     int64_t imax = 0;
     for (int64_t j = 1; j < bs; ++j)
       if (std::fabs(x[j]) > std::fabs(x[imax])) imax = j;
-    const float d = clampf(x[imax] / -8.0f, -FP16_MAX, FP16_MAX);
+    const float d = clampf(x[imax] / -offset, -FP16_MAX, FP16_MAX);
     const float inv = reciprocal(d);
     for (int64_t j = 0; j < bs; ++j) {
       const float v = x[j] * inv;
-      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + 8.5f)), 0.f, 15.f));
+      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + (offset + 0.5f))), 0.f, 2.f * offset - 1.f));
     }
     *scale = at::Half(finite ? d : nan);
+    return pack_symmetric(q.data(), bs, format, codes);
   } else {
     float hi = x[0], lo = x[0];
     for (int64_t j = 1; j < bs; ++j) {
@@ -108,7 +146,7 @@ void dequantize_block(const uint8_t* codes, float scale, float min, int64_t bs, 
 }
 
 std::vector<at::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64_t format, const at::Tensor& like) {
-  const int64_t n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
+  const int64_t n_blocks = dim / bs, bytes = block_bytes(format, bs);
   auto codes = at::empty({rows, n_blocks, bytes}, like.options().dtype(at::kByte));
   auto scales = at::empty({rows, n_blocks}, like.options().dtype(at::kHalf));
   auto mins = format == Q4_ASYM ? at::empty({rows, n_blocks}, like.options().dtype(at::kHalf))
@@ -116,10 +154,11 @@ std::vector<at::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64_t 
   return {codes, scales, mins};
 }
 
-// q4_0 with the scale searched over `divisors` of the signed absmax (quant/blocks.py: quantize_q4_0 with
+// q4_0 (or q3_0) with the scale searched over `divisors` of the signed absmax (quant/blocks.py: quantize_q4_0 with
 // search_scale): the first divisor whose decoded block, with the stored fp16 scale, has the least squared error.
-void quantize_block_searched(const float* x, int64_t bs, const std::vector<double>& divisors, uint8_t* codes,
-                             at::Half* scale) {
+void quantize_block_searched(const float* x, int64_t bs, int64_t format, const std::vector<double>& divisors,
+                             uint8_t* codes, at::Half* scale) {
+  const float offset = symmetric_offset(format), top = 2.f * offset - 1.f;
   bool finite = true;
   int64_t imax = 0;
   for (int64_t j = 0; j < bs; ++j) {
@@ -132,7 +171,7 @@ void quantize_block_searched(const float* x, int64_t bs, const std::vector<doubl
     const int vectors = static_cast<int>(bs / 16);
     __m512 xs[2], best[2];
     for (int v = 0; v < vectors; ++v) xs[v] = _mm512_loadu_ps(x + 16 * v);
-    const __m512 half_up = _mm512_set1_ps(8.5f), eight = _mm512_set1_ps(8.f), fifteen = _mm512_set1_ps(15.f);
+    const __m512 half_up = _mm512_set1_ps(offset + 0.5f), vo = _mm512_set1_ps(offset), vtop = _mm512_set1_ps(top);
     const __m512 zero = _mm512_setzero_ps(), most = _mm512_set1_ps(std::numeric_limits<float>::max());
     float best_d = 0.f;
     double best_err = 0.0;
@@ -145,8 +184,8 @@ void quantize_block_searched(const float* x, int64_t bs, const std::vector<doubl
         __m512 c = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xs[v], _mm512_set1_ps(inv)), half_up),
                                         _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(c), most, _CMP_LE_OQ), c);  // finite_or_zero
-        q[v] = _mm512_min_ps(_mm512_max_ps(c, zero), fifteen);
-        const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(q[v], eight), _mm512_set1_ps(stored)), xs[v]);
+        q[v] = _mm512_min_ps(_mm512_max_ps(c, zero), vtop);
+        const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(q[v], vo), _mm512_set1_ps(stored)), xs[v]);
         const __m512d e0 = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
         const __m512d e1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
         sum = _mm512_fmadd_pd(e1, e1, _mm512_fmadd_pd(e0, e0, sum));  // exact squares: as a multiply, then an add
@@ -159,8 +198,7 @@ void quantize_block_searched(const float* x, int64_t bs, const std::vector<doubl
     }
     alignas(64) int32_t codes32[32];
     for (int v = 0; v < vectors; ++v) _mm512_store_si512(codes32 + 16 * v, _mm512_cvttps_epi32(best[v]));
-    const int64_t half = bs / 2;
-    for (int64_t j = 0; j < half; ++j) codes[j] = static_cast<uint8_t>(codes32[j] | (codes32[j + half] << 4));
+    pack_symmetric(codes32, bs, format, codes);
     *scale = at::Half(finite ? best_d : std::numeric_limits<float>::quiet_NaN());
     return;
   }
@@ -173,23 +211,22 @@ void quantize_block_searched(const float* x, int64_t bs, const std::vector<doubl
     const float inv = reciprocal(d), stored = static_cast<float>(at::Half(d));
     double err = 0.0;
     for (int64_t j = 0; j < bs; ++j) {
-      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(x[j] * inv + 8.5f)), 0.f, 15.f));
-      const double e = static_cast<double>((static_cast<float>(q[j]) - 8.f) * stored - x[j]);
+      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(x[j] * inv + (offset + 0.5f))), 0.f, top));
+      const double e = static_cast<double>((static_cast<float>(q[j]) - offset) * stored - x[j]);
       err += e * e;
     }
     if (k == 0 || err < best_err) best_err = err, best_d = d, best_q = q;
   }
-  const int64_t half = bs / 2;
-  for (int64_t j = 0; j < half; ++j) codes[j] = best_q[j] | static_cast<uint8_t>(best_q[j + half] << 4);
+  pack_symmetric(best_q.data(), bs, format, codes);
   *scale = at::Half(finite ? best_d : std::numeric_limits<float>::quiet_NaN());
 }
 
 }  // namespace
 
 // x: fp32 [rows, dim] contiguous. Returns {codes [rows, blocks, bytes], scales [rows, blocks], mins or empty}. With
-// `divisors` (q4_0 family only), each block's scale is searched (quantize_block_searched).
+// `divisors` (the q4_0 family and q3_0), each block's scale is searched (quantize_block_searched).
 std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors) {
-  const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
+  const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = block_bytes(format, bs);
   auto out = allocate(rows, dim, bs, format, x);
   const float* px = x.data_ptr<float>();
   uint8_t* pc = out[0].data_ptr<uint8_t>();
@@ -199,8 +236,8 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
   for (int64_t r = first; r < last; ++r)
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t i = r * n_blocks + b;
-      if (!divisors.empty() && format == Q4_SYM)
-        quantize_block_searched(px + r * dim + b * bs, bs, divisors, pc + i * bytes, ps + i);
+      if (!divisors.empty() && (format == Q4_SYM || format == Q3_SYM))
+        quantize_block_searched(px + r * dim + b * bs, bs, format, divisors, pc + i * bytes, ps + i);
       else
         quantize_block(px + r * dim + b * bs, bs, format, pc + i * bytes, ps + i, pm ? pm + i : nullptr);
     }
@@ -216,7 +253,7 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
                       at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale) {
   const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), n_blocks = dim / bs;
-  const int64_t bytes = format == Q8 ? bs : bs / 2;
+  const int64_t bytes = block_bytes(format, bs);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be fp32 [B, H, dim] with rows contiguous");
   TORCH_CHECK(codes.dim() == 5 && codes.size(0) == batch && codes.size(1) == heads && codes.size(3) == n_blocks &&
                   codes.size(4) == bytes && codes.stride(4) == 1 && codes.stride(3) == bytes,
@@ -252,8 +289,8 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
       at::Half* s = ps + b * scales.stride(0) + h * scales.stride(1) + at * scales.stride(2);
       at::Half* m = pm ? pm + b * mins.stride(0) + h * mins.stride(1) + at * mins.stride(2) : nullptr;
       for (int64_t k = 0; k < n_blocks; ++k) {
-        if (!divisors.empty() && format == Q4_SYM)
-          quantize_block_searched(row + k * bs, bs, divisors, c + k * bytes, s + k);
+        if (!divisors.empty() && (format == Q4_SYM || format == Q3_SYM))
+          quantize_block_searched(row + k * bs, bs, format, divisors, c + k * bytes, s + k);
         else
           quantize_block(row + k * bs, bs, format, c + k * bytes, s + k, m ? m + k : nullptr);
       }
@@ -306,7 +343,8 @@ at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at
 // and x - long_term (flag in the scale's lowest bit). Returns {codes, scales, mins or empty, reconstruction}.
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra) {
-  const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = format == Q8 ? bs : bs / 2;
+  TORCH_CHECK(format != Q3_SYM, "the delta codec's blocks are q4_0, q4_1 or q8_0 families");
+  const int64_t rows = x.size(0), dim = x.size(1), n_blocks = dim / bs, bytes = block_bytes(format, bs);
   auto out = allocate(rows, dim, bs, format, x);
   auto recon = at::empty_like(x);
   const float *px = x.data_ptr<float>(), *pb = base.data_ptr<float>();

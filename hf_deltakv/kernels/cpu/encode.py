@@ -7,9 +7,16 @@ import torch
 
 from ...quant import QuantizedTensor, get_format
 from ...quant.blocks import SCALE_SEARCH
+from ...quant.table import Kind
 from ..hadamard import rotation_scale
 
-SEARCH_DIVISORS = [float(d) for d in SCALE_SEARCH[8]]  # q4_0's scale search (quant.quantize), as the kernel takes it
+
+def divisors(fmt: str, search_scale: bool) -> list[float]:
+    """The scale search's divisors as the kernel takes them (quant.quantize: `SCALE_SEARCH` by the format's code
+    offset, 8 for the q4_0 family, 4 for q3_0), or none without the search."""
+    if not search_scale:
+        return []
+    return [float(d) for d in SCALE_SEARCH[4 if get_format(fmt).kind == Kind.Q3_SYM else 8]]
 
 
 def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> QuantizedTensor:
@@ -26,10 +33,10 @@ def _packed(fmt: str, lead: torch.Size, dim: int, codes, scales, mins) -> Quanti
 def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -> QuantizedTensor:
     """`quant.quantize(x, fmt, search_scale)` for fp32 `x [..., dim]`."""
     dim = x.shape[-1]
-    divisors = SEARCH_DIVISORS if search_scale else []
     codes, scales, mins = extension.quantize_rows(
-        x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size, divisors
-    )
+        x.reshape(-1, dim).float().contiguous(), int(get_format(fmt).kind), get_format(fmt).block_size,
+        divisors(fmt, search_scale),
+    )  # fmt: skip
     return _packed(fmt, x.shape[:-1], dim, codes, scales, mins)
 
 
@@ -42,7 +49,7 @@ def quantize_at(
     empty = target.codes.new_empty(0, dtype=torch.float16)
     rows = x[:, :, 0] if x.stride(-1) == 1 else x[:, :, 0].contiguous()  # the kernel reads each row contiguous
     extension.quantize_rows_at(
-        rows, kind, block, SEARCH_DIVISORS if search_scale else [], target.codes, target.scales,
+        rows, kind, block, divisors(fmt, search_scale), target.codes, target.scales,
         empty if target.mins is None else target.mins, at, rotation, rotation_scale(rotation) if rotation else 1.0,
     )  # fmt: skip
 

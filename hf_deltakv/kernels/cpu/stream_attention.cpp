@@ -171,6 +171,22 @@ struct Blocks {
       const float scale = static_cast<float>(s[b]);
       const uint8_t* cb = c + b * 12;
       float* o = out + b * 32;
+#if defined(__AVX2__)
+      // Lane j holds byte j (the low bits of codes j, 8 + j, 16 + j, 24 + j); the high bits of the 8 codes of row i
+      // come from byte 8 + i, shifted right by the lane's index.
+      const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb)));
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), three = _mm256_set1_epi32(3);
+      const __m256 vscale = _mm256_set1_ps(scale);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(cb[8 + i]), lane);
+        const __m256i low_i = _mm256_srlv_epi32(low, _mm256_set1_epi32(2 * i));
+        const __m256i code = _mm256_or_si256(_mm256_and_si256(low_i, three),
+                                             _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), 2));
+        const __m256 value = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(4)));
+        _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(value, vscale));
+      }
+      continue;
+#endif
       for (int i = 0; i < 4; ++i) {
         const int high = cb[8 + i];
 #pragma omp simd
