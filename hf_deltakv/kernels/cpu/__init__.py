@@ -30,7 +30,7 @@ SOURCES = [
     for name in ("stream_attention.cpp", "encode.cpp", "sparse_matvec.cpp", "latent.cpp", "module.cpp")
 ]
 # Included by the sources: part of the build's hash.
-HEADERS = [Path(__file__).with_name(name) for name in ("softmax.h", "rope.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("softmax.h", "rope.h", "planes.h")]
 NAME = "hf_deltakv_cpu"
 BUILD_WAIT_S = 600  # how long a process waits for another one's build before running the reference
 

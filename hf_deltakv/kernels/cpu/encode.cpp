@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "planes.h"
+
 namespace {
 
 #if !defined(HFD_KIND_Q4_SYM)
@@ -613,24 +615,11 @@ at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, a
         float* out_c = po + g * group * dim + c;
         int64_t j0 = 0;  // tokens decoded by the vector loop
 #if defined(__AVX512F__)
-        // 16 tokens at a time: the 16 bits of two plane bytes are a lane mask adding 2^b to the integer codes, then
-        // the reference's fp32 multiply and add (no fused multiply-add), fp16 rounding, and a store every `dim`.
+        // 16 tokens at a time (planes.h), stored every `dim` floats.
         const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                   _mm512_set1_epi32(static_cast<int32_t>(dim)));
-        const __m512 vlo = _mm512_set1_ps(lo), vs = _mm512_set1_ps(s);
-        const __m512 most = _mm512_set1_ps(FP16_MAX), least = _mm512_set1_ps(-FP16_MAX);
-        for (; j0 + 16 <= group; j0 += 16) {
-          __m512i codes = _mm512_setzero_si512();
-          for (int b = 0; b < bits; ++b) {
-            uint16_t mask;
-            std::memcpy(&mask, planes_c + b * width + j0 / 8, sizeof mask);
-            codes = _mm512_mask_add_epi32(codes, mask, codes, _mm512_set1_epi32(1 << b));
-          }
-          __m512 value = _mm512_add_ps(vlo, _mm512_mul_ps(_mm512_cvtepi32_ps(codes), vs));
-          value = _mm512_max_ps(least, _mm512_min_ps(most, value));  // NaN (the second operand) kept
-          value = _mm512_cvtph_ps(_mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          _mm512_i32scatter_ps(out_c + j0 * dim, stride, value, 4);
-        }
+        for (; j0 + 16 <= group; j0 += 16)
+          _mm512_i32scatter_ps(out_c + j0 * dim, stride, hfd::plane_values16(planes_c, bits, width, j0 / 8, lo, s), 4);
 #endif
         std::fill(code.begin() + j0, code.end(), 0u);
         for (int b = 0; b < bits; ++b) {

@@ -28,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "planes.h"
 #include "rope.h"
 #include "softmax.h"
 
@@ -185,8 +186,7 @@ struct Blocks {
         const __m256 value = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(4)));
         _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(value, vscale));
       }
-      continue;
-#endif
+#else
       for (int i = 0; i < 4; ++i) {
         const int high = cb[8 + i];
 #pragma omp simd
@@ -195,6 +195,7 @@ struct Blocks {
           o[8 * i + j] = static_cast<float>(code - 4) * scale;
         }
       }
+#endif
     }
     return s;
   }
@@ -498,22 +499,9 @@ struct Stream {
   // `bits` planes of `width` bytes.
   static void decode_channel(const uint8_t* planes, int bits, int64_t width, float step, float lo, float* out) {
 #if defined(__AVX512F__)
-    // Each 16 bits of a plane are a lane mask: a set bit adds 2^b to its token's integer code; then lo + code * step
-    // (the reference's multiply and add) rounded to fp16 in the registers.
-    const __m512 most = _mm512_set1_ps(static_cast<float>(std::numeric_limits<c10::Half>::max()));
-    const __m512 least = _mm512_sub_ps(_mm512_setzero_ps(), most);
-    for (int64_t chunk = 0; chunk + 2 <= width; chunk += 2) {
-      __m512i code = _mm512_setzero_si512();
-      for (int b = 0; b < bits; ++b) {
-        uint16_t mask;
-        std::memcpy(&mask, planes + b * width + chunk, sizeof mask);
-        code = _mm512_mask_add_epi32(code, mask, code, _mm512_set1_epi32(1 << b));
-      }
-      __m512 value = _mm512_add_ps(_mm512_set1_ps(lo), _mm512_mul_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(step)));
-      value = _mm512_max_ps(least, _mm512_min_ps(most, value));  // NaN (the second operand) kept
-      _mm512_storeu_ps(out + chunk * 8,
-                       _mm512_cvtph_ps(_mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-    }
+    // 16 tokens at a time, rounded to fp16 in the registers (planes.h).
+    for (int64_t chunk = 0; chunk + 2 <= width; chunk += 2)
+      _mm512_storeu_ps(out + chunk * 8, hfd::plane_values16(planes, bits, width, chunk, lo, step));
     if (width % 2) {  // a group of 8 tokens: one byte per plane
       const int64_t chunk = width - 1;
       __m256 acc = _mm256_set1_ps(lo);
