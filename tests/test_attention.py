@@ -253,6 +253,44 @@ def test_stream_attention_kernel_turns_long_runs_of_positions_exactly(key):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CODECS))
+def test_reconstruction_kernel_writes_the_reference_history(name, dtype):
+    """`kernels.decode_into` (what a prefill's SDPA reads: the C++ kernel on the CPU) against
+    `reference.decode_into` on every stream the attention kernel reads, 77 tokens, into a strided view of a larger
+    buffer in the model's dtype: keys with RoPE re-applied at gapped positions and a channel order, values without.
+    Tolerance: RoPE's angles (rope.h, within ~3e-5 of the reference's float64 ones) and one fp32 rounding where the
+    kernel fuses a multiply and an add (q4_1, deltas); the conversion to bf16/fp16 is torch's own."""
+    batch, heads, dim, length = 2, 3, 64, 77
+    layout = _stream(CODECS[name], length, batch, heads, dim, seed=11).layout()
+    g = torch.Generator().manual_seed(12)
+    order = torch.randperm(dim, generator=g)
+    for rope, channels in ((rope_angles(batch, length, dim, g, "rope-gaps"), order), (None, None)):
+        want = torch.zeros(batch, heads, length + 4, dim, dtype=dtype)
+        got = torch.zeros(batch, heads, length + 4, dim, dtype=dtype)
+        kernels.reference.decode_into(layout, want[:, :, 4:], rope, channels)
+        kernels.decode_into(layout, got[:, :, 4:], rope, channels)
+        assert not got[:, :, :4].any()  # nothing written outside the view
+        tolerance = {torch.float32: 3e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * 4)
+        if rope is None and name in ("q4_0", "q8_0-rot", "f16", "adaptive-32", "kivi"):  # no fused rounding: exact
+            assert torch.equal(got, want)
+
+
+def test_reconstruction_kernel_serves_the_cache_history(monkeypatch):
+    """A prefill's SDPA reads the history through `reconstruct`: with the C++ kernel it is the reference's."""
+    assert extension() is not None
+    model = tiny_model("llama")
+    cache = DeltaKVCache(kf=8, model=model)
+    with torch.no_grad():
+        model(_ids(1, 40), cache=cache)
+    served = cache.layers[0].reconstruct()
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+    want = cache.layers[0].reconstruct()
+    for a, b in zip(served, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-5, atol=1e-4)
+
+
 def _with_room(t: torch.Tensor) -> torch.Tensor:
     """`t` `[B, H, rows, ...]` as the leading rows of a larger buffer (what `codecs.base.GrowingRows` keeps)."""
     return torch.cat([t, torch.zeros_like(t[:, :, :3])], dim=2)[:, :, : t.shape[2]]

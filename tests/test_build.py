@@ -1,9 +1,10 @@
 """The CPU kernels' build never hangs and loads from where it can: stale locks, bounded waits, prebuilt read-only
-folders, the environment switch."""
+folders, the environment switch; the instruction sets this machine does not build by default build and match too."""
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -108,6 +109,56 @@ def test_kernel_switch_is_checked(monkeypatch):
     assert not kernels.forced_reference()
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "prebuilt")
     assert kernels.kernel_choice() == "prebuilt" and not kernels.forced_reference()
+
+
+def test_the_cpu_arch_switch_is_checked(monkeypatch):
+    monkeypatch.setenv(cpu.ARCH_ENV, "x86-64-v3")
+    assert cpu._arch_flags() == ["-march=x86-64-v3"]
+    monkeypatch.setenv(cpu.ARCH_ENV, "none")
+    assert cpu._arch_flags() == []
+    monkeypatch.setenv(cpu.ARCH_ENV, "native; rm -rf /")
+    with pytest.raises(ValueError, match="not a -march target"):
+        cpu._arch_flags()
+
+
+def test_a_native_build_is_keyed_by_the_cpus_instruction_sets(monkeypatch):
+    """A kernel folder shared by machines with other CPUs (HF_DELTAKV_KERNEL_DIR on a network disk) holds one
+    -march=native build per instruction set, never one machine's AVX-512 build loaded by an AVX2 machine."""
+    native, named = (["-O3", "-march=native"], []), (["-O3", "-march=x86-64-v3"], [])
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "avx2 fma sse2")
+    keys = cpu.build_key(*native), cpu.build_key(*named)
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "avx2 avx512f fma sse2")
+    assert cpu.build_key(*native) != keys[0]
+    assert cpu.build_key(*named) == keys[1]  # a named target is the same build on every machine
+
+
+# The lanes the build picks (lanes.h and every `#if __AVX2__` branch): AVX2 without AVX-512, then none (SSE2, which
+# is also what an ARM build's lanes are). This machine's own (-march=native) is what every other test runs.
+OTHER_ARCHS = {"x86-64-v3": "AVX2 lanes", "x86-64": "scalar lanes"}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
+def test_the_kernels_of_other_instruction_sets_build_and_match_the_reference(arch):
+    """Built for another `-march` (its own folder), the kernels pass the kernel tests that compare them with the
+    PyTorch reference: the AVX2 and scalar paths are tested on a machine with AVX-512, not only compiled."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"{arch} is an x86 target; this machine is {platform.machine()}")
+    env = {**os.environ, cpu.ARCH_ENV: arch, "HF_DELTAKV_KERNELS": "auto"}
+    built = subprocess.run(
+        [sys.executable, "-c", "import sys; from hf_deltakv.kernels import cpu; sys.exit(cpu.extension() is None)"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert built.returncode == 0, f"the {OTHER_ARCHS[arch]} did not build: {built.stderr[-2000:]}"
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = [os.path.join(here, f"test_{name}.py") for name in ("kernels_cpu", "attention", "residual", "weight_skip")]
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k", "kernel or decoder", *tests],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    assert " passed" in ran.stdout, ran.stdout[-1000:]
+    skipped = [line for line in ran.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all("only the scalar decoder" in line for line in skipped), skipped  # the latent vector decoders need AVX2
 
 
 def test_a_wheel_install_decodes_through_the_compiled_kernel(tmp_path):

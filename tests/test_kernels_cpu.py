@@ -11,6 +11,7 @@ from hypothesis.extra.numpy import arrays
 
 from hf_deltakv import kernels
 from hf_deltakv.kernels.cpu import extension
+from hf_deltakv.kernels.hadamard import rotate
 from hf_deltakv.quant import QuantizedTensor
 
 FORMATS = ["q4_0", "q4_0_16", "q4_1", "q4_1_16", "q8_0"]  # the delta codec's blocks too
@@ -71,25 +72,30 @@ def test_code_delta_kernel_is_byte_identical(seed, fmt, intra, spread):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from(QUANTIZED), st.booleans(), st.integers(0, 5))
-def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, search, at):
-    """A decoded token per head quantized in place into storage with room (strided rows), the bytes of `quantize`; the
-    rows around it untouched."""
+@given(
+    st.integers(0, 2**31 - 1), st.sampled_from(QUANTIZED), st.booleans(), st.integers(0, 5), st.sampled_from([1, 3]),
+    st.sampled_from([0, 64]),
+)  # fmt: skip
+def test_quantize_at_writes_the_bytes_of_quantize_into_the_room(seed, fmt, search, at, n, rotation):
+    """New tokens (a decoded one per head, or a prefill's) quantized in place into storage with room (strided rows),
+    rotated first or not: the bytes of the reference (`quantize`, of `hadamard.rotate` when rotated); the rows around
+    them untouched."""
     search = search and fmt in SEARCHED
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 3, 1, 64, generator=g) * torch.rand(2, 3, 1, 1, generator=g) * 10
+    x = torch.randn(2, 3, n, 64, generator=g) * torch.rand(2, 3, n, 1, generator=g) * 10
     x[0, 1, 0, :5] = torch.tensor([0.0, -0.0, 1e-30, 6e4, -7e4])  # zeros, a subnormal, values past fp16's range
-    want = kernels.reference.quantize(x, fmt, search)
-    storage = want.map(lambda t: torch.full((2, 3, 6, *t.shape[3:]), 7, dtype=t.dtype))
+    want = kernels.reference.quantize(rotate(x) if rotation else x, fmt, search)
+    rows = at + n + 2
+    storage = want.map(lambda t: torch.full((2, 3, rows, *t.shape[3:]), 7, dtype=t.dtype))
     spec = storage.map(torch.clone)
-    kernels.quantize_at(x, fmt, search, storage, at)
-    kernels.reference.quantize_at(x, fmt, search, spec, at)
+    kernels.quantize_at(x, fmt, search, storage, at, rotation)
+    kernels.reference.quantize_at(x, fmt, search, spec, at, rotation)
     _same_bytes(storage, spec)
-    _same_bytes(storage.map(lambda t: t[:, :, at : at + 1]), want)
-    strided = want.map(lambda t: torch.zeros(2, 3, 2, *t.shape[3:], dtype=t.dtype))
-    kernels.quantize_at(x.transpose(-1, 0).contiguous().transpose(-1, 0), fmt, search, strided, 1)  # rows strided
+    _same_bytes(storage.map(lambda t: t[:, :, at : at + n]), want)
+    strided = want.map(lambda t: torch.zeros(2, 3, n + 1, *t.shape[3:], dtype=t.dtype))
+    kernels.quantize_at(x.transpose(-1, 0).contiguous().transpose(-1, 0), fmt, search, strided, 1, rotation)
     _same_bytes(strided.map(lambda t: t[:, :, 1:]), want)
-    untouched = [r for r in range(6) if r != at]
+    untouched = [r for r in range(rows) if not at <= r < at + n]
     for t in storage.tensors():
         assert torch.equal(t[:, :, untouched], torch.full_like(t[:, :, untouched], 7))
 

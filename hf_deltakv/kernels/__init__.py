@@ -11,7 +11,7 @@ codec objects.
 The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kernel tested against `reference.py`):
 
     quantize           cpu/encode.cpp (q3_0 too)   | triton/quantize.py (not with a searched scale, not q3_0)
-    quantize_at        cpu/encode.cpp (one token)  | triton/append.py (every format: rotate + search + pack)
+    quantize_at        cpu/encode.cpp (rotated too)| triton/append.py (every format: rotate + search + pack)
     undo_rope_into     cpu undo_rope + a copy      | triton/append.py
     add_query_energy   cpu query_energy + an add   | triton/append.py
     add_query_energies cpu query_energy + adds     | triton/append.py (a chunk's running sums, one launch)
@@ -22,7 +22,7 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     code_groups        the three above             | triton/adaptive_code.py (a group's whole coding, one launch)
     copy_rows          -                           | triton/copy.py (grown storage, 8 copies a launch)
     decode_stream      cpu (adaptive groups)       | -
-    decode_into        via decode_stream           | triton/reconstruct.py (adaptive keys, plain values)
+    decode_into        cpu/stream_attention.cpp    | triton/reconstruct.py (adaptive keys, plain values)
     code_delta         cpu/encode.cpp              | -
     delta_encode_groups -                          | triton/delta_encode.py
     delta_tokens       cpu undo_rope + code_delta  | triton/delta_encode.py (a decoding step's tokens, one launch)
@@ -220,17 +220,17 @@ def quantize_at(
     x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, rotation: int = 0
 ) -> None:
     """`reference.quantize_at` (new tokens, rotated first when `rotation`, quantized into growing storage, in place),
-    dispatched: the Triton kernel on GPUs (every format: rotation, search and packing in one launch), the C++ kernel on
-    the CPU for one token per head; anything else rotates, quantizes by `quantize` and copies the rows in. The bytes
-    of `quantize` on every path (tested)."""
+    dispatched: the Triton kernel on GPUs (every format: rotation, search and packing in one launch), the C++ kernel
+    on the CPU (the same, threads over the rows); anything else rotates, quantizes by `quantize` and copies the rows
+    in. The bytes of `quantize` on every path (tested)."""
     if use_triton(x.device):
         from .triton.append import quantize_at as kernel
         from .triton.append import serves_quantize
 
         if serves_quantize(fmt, x.shape[-1]) and _rows_contiguous(target):
             return kernel(x, fmt, search_scale, target, at, rotation)
-    one = x.shape[2] == 1 and _encodes(fmt, x.shape[-1], CPU_QUANTIZED_KINDS)
-    compiled = _cpu_extension(x.device) if one else None
+    served = _encodes(fmt, x.shape[-1], CPU_QUANTIZED_KINDS) and _rows_contiguous(target)
+    compiled = _cpu_extension(x.device) if served else None
     if compiled is None:  # the dispatched `quantize` (Triton on GPUs), then a copy
         rows = rotate(x) if rotation else x.float()
         return reference.write_rows(target, quantize(rows, fmt, search_scale), at)
@@ -355,14 +355,22 @@ def decode_into(
     stream: StreamLayout, out: torch.Tensor, rope: RopeAngles | None = None, order: torch.Tensor | None = None
 ) -> None:
     """`reference.decode_into` (a stream decoded into the history a prefill's attention reads, in its dtype),
-    dispatched: one Triton launch for adaptive keys or plain values on GPUs (no full-precision copy); elsewhere the
-    reference, chunk by chunk through the dispatched `decode_stream` (C++ for adaptive groups on the CPU)."""
+    dispatched: one Triton launch for adaptive keys or plain values on GPUs (no full-precision copy); on the CPU the
+    C++ kernel for every stream the attention kernel reads (one pass, threads over heads and token ranges); elsewhere
+    the reference, chunk by chunk through the dispatched `decode_stream`."""
     if use_triton(out.device):
         from .triton.reconstruct import decode_into as kernel
         from .triton.reconstruct import serves
 
         if serves(stream, out):
             return kernel(stream, out, rope, order)
+    compiled = _cpu_extension(out.device)
+    if compiled is not None:
+        from .cpu.stream_attention import decode_into as kernel
+        from .cpu.stream_attention import decodes
+
+        if decodes(stream, out):
+            return kernel(stream, out, _rope_arguments(rope, out.new_empty(0)), order, compiled)
     reference.decode_into(stream, out, rope, order, decode=decode_stream)
 
 

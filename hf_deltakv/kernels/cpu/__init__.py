@@ -11,6 +11,11 @@ holds an OS lock (`fcntl.flock`), which the OS releases when the building proces
 nothing that blocks the next one (torch's own lock file, left by a killed build, is removed under it); another
 process waits for it at most `BUILD_WAIT_S` seconds. Whatever fails, the callers run the PyTorch reference, with one
 warning that names the cause.
+
+Which instructions: the build targets this machine's CPU (`-march=native` on x86: AVX-512 lanes where it has them,
+else AVX2, else the scalar lanes of `lanes.h`). `HF_DELTAKV_CPU_ARCH` names another `-march` target (`x86-64-v3`
+for a fleet of AVX2 machines, `x86-64` for any x86, `armv8.2-a`, ...), or `none` for the compiler's default; each
+target builds into its own folder.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ SOURCES = [
     for name in ("stream_attention.cpp", "encode.cpp", "sparse_matvec.cpp", "latent.cpp", "module.cpp")
 ]
 # Included by the sources: part of the build's hash.
-HEADERS = [Path(__file__).with_name(name) for name in ("softmax.h", "rope.h", "planes.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("softmax.h", "rope.h", "planes.h", "lanes.h")]
 NAME = "hf_deltakv_cpu"
 BUILD_WAIT_S = 600  # how long a process waits for another one's build before running the reference
 
@@ -41,9 +46,22 @@ def _flag_sets() -> list[tuple[list[str], list[str]]]:
     kernels switch on come from Python as `-D` definitions (part of the build's hash, so a change rebuilds)."""
     from ..layout import constants
 
-    native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
+    native = _arch_flags()
     defines = [f"-D{name}={value}" for name, value in sorted(constants().items())]
     return [(["-O3", *native, "-fopenmp", *defines], ["-fopenmp"]), (["-O3", *native, *defines], [])]
+
+
+ARCH_ENV = "HF_DELTAKV_CPU_ARCH"
+
+
+def _arch_flags() -> list[str]:
+    """The `-march` flag of the build: `HF_DELTAKV_CPU_ARCH` if set (`none`: no flag), else this x86 CPU's own."""
+    arch = os.environ.get(ARCH_ENV, "").strip()
+    if arch:
+        if not all(c.isalnum() or c in "-_.+" for c in arch):
+            raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march target name")
+        return [] if arch.lower() == "none" else [f"-march={arch}"]
+    return ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
 
 
 def kernel_dirs() -> list[Path]:
@@ -65,7 +83,21 @@ def build_key(cflags: list[str], ldflags: list[str]) -> str:
         digest.update(source.read_bytes())
     for part in (*cflags, "|", *ldflags, torch.__version__, sys.version, platform.machine(), os.environ.get("CXX", "")):
         digest.update(part.encode())
+    if "-march=native" in cflags:  # one kernel folder shared by machines with other CPUs: a build per instruction set
+        digest.update(_cpu_flags().encode())
     return f"cpu-{digest.hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags as Linux lists them (what `-march=native` compiles for); empty where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return ""
 
 
 def _import_built(folder: Path):

@@ -10,7 +10,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "lanes.h"
 #include "planes.h"
 
 namespace {
@@ -247,23 +248,26 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
   return out;
 }
 
-// quantize_rows of one token per (batch, head), written in place at sequence row `at` of growing storage: x fp32
-// [B, H, dim] (rows contiguous); codes uint8 [B, H, rows, blocks, bytes], scales (and mins, or empty) fp16
+// quantize_rows of new tokens, written in place at sequence rows at..at + n - 1 of growing storage: x fp32
+// [B, H, n, dim] (rows contiguous); codes uint8 [B, H, rows, blocks, bytes], scales (and mins, or empty) fp16
 // [B, H, rows, blocks], each with its blocks contiguous (any strides on the leading dimensions). With `rotation` (a
 // Hadamard block size, 0: none) each row is first rotated as hf_deltakv.kernels.hadamard.rotate rotates it: the same
-// butterflies in the same order, then times `rotation_scale` (handed over from Python, the one definition).
+// butterflies in the same order, then times `rotation_scale` (handed over from Python, the one definition). Threads
+// take rows.
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
                       at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale) {
-  const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), n_blocks = dim / bs;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1,
+              "x must be fp32 [B, H, n, dim] with rows contiguous");
+  const int64_t batch = x.size(0), heads = x.size(1), n = x.size(2), dim = x.size(3), n_blocks = dim / bs;
   const int64_t bytes = block_bytes(format, bs);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be fp32 [B, H, dim] with rows contiguous");
   TORCH_CHECK(codes.dim() == 5 && codes.size(0) == batch && codes.size(1) == heads && codes.size(3) == n_blocks &&
                   codes.size(4) == bytes && codes.stride(4) == 1 && codes.stride(3) == bytes,
               "codes must be uint8 [B, H, rows, blocks, bytes] with blocks contiguous");
   TORCH_CHECK(scales.dim() == 4 && scales.size(3) == n_blocks && scales.stride(3) == 1, "scales of another shape");
   const bool asym = format == Q4_ASYM;
   TORCH_CHECK(!asym || (mins.dim() == 4 && mins.size(3) == n_blocks && mins.stride(3) == 1), "mins of another shape");
-  TORCH_CHECK(0 <= at && at < codes.size(2) && at < scales.size(2), "row ", at, " outside the storage");
+  TORCH_CHECK(0 <= at && at + n <= codes.size(2) && at + n <= scales.size(2) && (!asym || at + n <= mins.size(2)),
+              "rows ", at, "..", at + n - 1, " outside the storage");
   TORCH_CHECK(rotation == 0 || (rotation > 1 && dim % rotation == 0 && !(rotation & (rotation - 1))),
               "rotation must be 0 or a power-of-two block dividing the row");
   const float* px = x.data_ptr<float>();
@@ -271,10 +275,11 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
   at::Half* ps = scales.data_ptr<at::Half>();
   at::Half* pm = asym ? mins.data_ptr<at::Half>() : nullptr;
   const float norm = static_cast<float>(rotation_scale);
-  std::vector<float> turned(rotation ? dim : 0);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* row = px + b * x.stride(0) + h * x.stride(1);
+  at::parallel_for(0, batch * heads * n, 64, [&](int64_t first, int64_t last) {
+    std::vector<float> turned(rotation ? dim : 0);
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t b = i / (heads * n), h = i / n % heads, t = i % n;
+      const float* row = px + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
       if (rotation) {
         std::copy(row, row + dim, turned.begin());
         for (int64_t step = 1; step < rotation; step *= 2)
@@ -287,9 +292,10 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
         for (int64_t c = 0; c < dim; ++c) turned[c] *= norm;
         row = turned.data();
       }
-      uint8_t* c = pc + b * codes.stride(0) + h * codes.stride(1) + at * codes.stride(2);
-      at::Half* s = ps + b * scales.stride(0) + h * scales.stride(1) + at * scales.stride(2);
-      at::Half* m = pm ? pm + b * mins.stride(0) + h * mins.stride(1) + at * mins.stride(2) : nullptr;
+      const int64_t r = at + t;
+      uint8_t* c = pc + b * codes.stride(0) + h * codes.stride(1) + r * codes.stride(2);
+      at::Half* s = ps + b * scales.stride(0) + h * scales.stride(1) + r * scales.stride(2);
+      at::Half* m = pm ? pm + b * mins.stride(0) + h * mins.stride(1) + r * mins.stride(2) : nullptr;
       for (int64_t k = 0; k < n_blocks; ++k) {
         if (!divisors.empty() && (format == Q4_SYM || format == Q3_SYM))
           quantize_block_searched(row + k * bs, bs, format, divisors, c + k * bytes, s + k);
@@ -297,6 +303,7 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
           quantize_block(row + k * bs, bs, format, c + k * bytes, s + k, m ? m + k : nullptr);
       }
     }
+  });
 }
 
 // Keys after RoPE turned back to before it (hf_deltakv.rope.RopeForm.undo, the same IEEE single-precision operations
@@ -319,9 +326,10 @@ at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at
   const double* pf = freqs.data_ptr<double>();
   const int64_t* po = reorder ? order.data_ptr<int64_t>() : nullptr;
   float* pout = out.data_ptr<float>();
-  std::vector<float> cosv(half), sinv(half);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t t = 0; t < n; ++t) {
+  at::parallel_for(0, batch * n, 16, [&](int64_t first, int64_t last) {  // threads take tokens
+    std::vector<float> cosv(half), sinv(half);
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t b = i / n, t = i % n;
       const double p = static_cast<double>(pp[b * n + t]);
       for (int64_t c = 0; c < half; ++c) {
         const double angle = p * pf[c];
@@ -338,6 +346,7 @@ at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at
         }
       }
     }
+  });
   return out;
 }
 
@@ -421,8 +430,9 @@ at::Tensor query_energy(at::Tensor query, at::Tensor order) {
   const int64_t* po = reorder ? order.data_ptr<int64_t>() : nullptr;
   float* pout = out.data_ptr<float>();
   const float count = static_cast<float>(groups);
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t r = 0; r < rows; ++r) {
+  at::parallel_for(0, outer * rows, 64, [&](int64_t first, int64_t last) {  // threads take output rows
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t o = i / rows, r = i % rows;
       float* dst = pout + (o * rows + r) * dim;
       for (int64_t c = 0; c < half; ++c) {
         const int64_t lo = po ? po[c] : c, hi = po ? po[c + half] : c + half;
@@ -436,6 +446,7 @@ at::Tensor query_energy(at::Tensor query, at::Tensor order) {
         dst[c] = dst[c + half] = sum / count;
       }
     }
+  });
   return out;
 }
 
@@ -449,41 +460,43 @@ at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_
   uint8_t* po = out.data_ptr<uint8_t>();
   const float top = static_cast<float>(most);
   const double want = static_cast<double>(total);
-  std::vector<float> base(dim), fraction(dim), bits(dim);
-  std::vector<int64_t> order(dim);
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = pl + r * dim;
-    float high = row[0], low = row[0];
-    for (int64_t c = 1; c < dim; ++c) high = std::max(high, row[c]), low = std::min(low, row[c]);
-    float lo = -4.0f * top - high, hi = 4.0f * top - low;
-    for (int64_t s = 0; s < steps; ++s) {
-      const float middle = (lo + hi) / 2.0f;
-      double spent = 0.0;
-      for (int64_t c = 0; c < dim; ++c) spent += static_cast<double>(std::min(std::max(row[c] + middle, 1.0f), top));
-      if (spent < want) lo = middle;
-      else hi = middle;
-    }
-    float floors = 0.f;  // integers: exact in any order
-    for (int64_t c = 0; c < dim; ++c) {
-      const float depth = std::min(std::max(row[c] + hi, 1.0f), top);
-      base[c] = std::floor(depth);
-      fraction[c] = base[c] >= top ? -1.0f : depth - base[c];
-      floors += base[c];
-    }
-    const float left = std::max(static_cast<float>(total) - floors, 0.0f);
-    for (int64_t c = 0; c < dim; ++c) order[c] = c;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return fraction[a] > fraction[b]; });
-    float given = 0.f;
-    for (int64_t k = 0; k < dim; ++k) bits[order[k]] = base[order[k]] + (static_cast<float>(k) < left ? 1.f : 0.f);
-    for (int64_t c = 0; c < dim; ++c) given += bits[c];
-    const float excess = given - static_cast<float>(total);  // float edge cases: take bits back from the largest
-    if (excess > 0.f) {
+  at::parallel_for(0, n, 8, [&](int64_t first, int64_t last) {  // threads take rows
+    std::vector<float> base(dim), fraction(dim), bits(dim);
+    std::vector<int64_t> order(dim);
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = pl + r * dim;
+      float high = row[0], low = row[0];
+      for (int64_t c = 1; c < dim; ++c) high = std::max(high, row[c]), low = std::min(low, row[c]);
+      float lo = -4.0f * top - high, hi = 4.0f * top - low;
+      for (int64_t s = 0; s < steps; ++s) {
+        const float middle = (lo + hi) / 2.0f;
+        double spent = 0.0;
+        for (int64_t c = 0; c < dim; ++c) spent += static_cast<double>(std::min(std::max(row[c] + middle, 1.0f), top));
+        if (spent < want) lo = middle;
+        else hi = middle;
+      }
+      float floors = 0.f;  // integers: exact in any order
+      for (int64_t c = 0; c < dim; ++c) {
+        const float depth = std::min(std::max(row[c] + hi, 1.0f), top);
+        base[c] = std::floor(depth);
+        fraction[c] = base[c] >= top ? -1.0f : depth - base[c];
+        floors += base[c];
+      }
+      const float left = std::max(static_cast<float>(total) - floors, 0.0f);
       for (int64_t c = 0; c < dim; ++c) order[c] = c;
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return bits[a] > bits[b]; });
-      for (int64_t k = 0; k < dim; ++k) bits[order[k]] -= static_cast<float>(k) < excess ? 1.f : 0.f;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return fraction[a] > fraction[b]; });
+      float given = 0.f;
+      for (int64_t k = 0; k < dim; ++k) bits[order[k]] = base[order[k]] + (static_cast<float>(k) < left ? 1.f : 0.f);
+      for (int64_t c = 0; c < dim; ++c) given += bits[c];
+      const float excess = given - static_cast<float>(total);  // float edge cases: take bits back from the largest
+      if (excess > 0.f) {
+        for (int64_t c = 0; c < dim; ++c) order[c] = c;
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return bits[a] > bits[b]; });
+        for (int64_t k = 0; k < dim; ++k) bits[order[k]] -= static_cast<float>(k) < excess ? 1.f : 0.f;
+      }
+      for (int64_t c = 0; c < dim; ++c) po[r * dim + c] = static_cast<uint8_t>(bits[c]);
     }
-    for (int64_t c = 0; c < dim; ++c) po[r * dim + c] = static_cast<uint8_t>(bits[c]);
-  }
+  });
   return out;
 }
 
@@ -497,15 +510,27 @@ at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes) {
   const uint8_t* pd = depths.data_ptr<uint8_t>();
   uint8_t* po = out.data_ptr<uint8_t>();
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> column(group + 16, 0);  // one channel's codes, token by token (zero past the group)
     for (int64_t g = begin; g < end; ++g) {
       int64_t plane = 0;
       for (int64_t c = 0; c < dim; ++c) {
         const int bits = pd[g * dim + c];
         TORCH_CHECK(plane + bits <= planes, "depths exceed the planes of a group");
+        for (int64_t j = 0; j < group; ++j) column[j] = pc[(g * group + j) * dim + c];
         for (int b = 0; b < bits; ++b, ++plane) {
           uint8_t* row = po + (g * planes + plane) * width;
-          for (int64_t j = 0; j < group; ++j)
-            row[j / 8] |= static_cast<uint8_t>(((pc[(g * group + j) * dim + c] >> b) & 1) << (j % 8));
+#if defined(__SSE2__)
+          // Bit b of 16 tokens' codes moved to each byte's top bit, gathered by movemask: bit k of the mask is token
+          // k's, which is the plane's byte order (token j at bit j % 8 of byte j / 8).
+          const __m128i shift = _mm_cvtsi32_si128(7 - b);
+          for (int64_t j0 = 0; j0 < group; j0 += 16) {
+            const __m128i codes16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column.data() + j0));
+            const uint16_t mask = static_cast<uint16_t>(_mm_movemask_epi8(_mm_sll_epi16(codes16, shift)));
+            std::memcpy(row + j0 / 8, &mask, std::min<int64_t>(2, width - j0 / 8));
+          }
+#else
+          for (int64_t j = 0; j < group; ++j) row[j / 8] |= static_cast<uint8_t>(((column[j] >> b) & 1) << (j % 8));
+#endif
         }
       }
       TORCH_CHECK(plane == planes, "depths of a group must sum to its planes");
@@ -545,17 +570,28 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
     k = k == k ? k : 0.f;
     return std::min(std::max(k, 0.f), top);
   };
+  namespace L = hfd::lanes;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> lows(count * dim), steps(count * dim), inverses(count * dim), errors(count * dim);
     for (int64_t g = begin; g < end; ++g) {
       const float *xg = px + g * group * dim, *lo = pl + g * dim, *sp = ps + g * dim, *top = pt + g * dim;
-      for (int64_t c = 0; c < count; ++c) {
+      for (int64_t c = 0; c < count; ++c) {  // each candidate's fp16 low and step per channel, W channels at a time
         const float give = pc[2 * c], keep = 1.0f - pc[2 * c + 1];
-        for (int64_t d = 0; d < dim; ++d) {
-          const float l = static_cast<float>(static_cast<c10::Half>(clampf(lo[d] + give * sp[d], -FP16_MAX, FP16_MAX)));
+        float *l = lows.data() + c * dim, *s = steps.data() + c * dim, *inv = inverses.data() + c * dim;
+        int64_t d = 0;
+        for (; d + L::W <= dim; d += L::W) {
+          const L::F vlo = L::load(lo + d), vsp = L::load(sp + d);
+          const L::F vl = L::round_half(L::clamp(L::add(vlo, L::mul(L::set1(give), vsp)), -FP16_MAX, FP16_MAX));
+          const L::F high = L::add(vlo, L::mul(vsp, L::set1(keep)));
+          const L::F vs = L::round_half(L::clamp(L::div(L::sub(high, vl), L::load(top + d)), 0.f, FP16_MAX));
+          L::store(l + d, vl), L::store(s + d, vs);
+          L::store(inv + d, L::keep(L::greater(vs, L::zero()), L::div(L::set1(1.0f), vs)));
+        }
+        for (; d < dim; ++d) {
+          l[d] = static_cast<float>(static_cast<c10::Half>(clampf(lo[d] + give * sp[d], -FP16_MAX, FP16_MAX)));
           const float high = lo[d] + sp[d] * keep;
-          const float s = static_cast<float>(static_cast<c10::Half>(clampf((high - l) / top[d], 0.f, FP16_MAX)));
-          lows[c * dim + d] = l, steps[c * dim + d] = s, inverses[c * dim + d] = s > 0.f ? 1.0f / s : 0.f;
+          s[d] = static_cast<float>(static_cast<c10::Half>(clampf((high - l[d]) / top[d], 0.f, FP16_MAX)));
+          inv[d] = s[d] > 0.f ? 1.0f / s[d] : 0.f;
         }
       }
       if (count > 1) {
@@ -563,16 +599,29 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
         for (int64_t c = 0; c < count; ++c) {
           const float *l = lows.data() + c * dim, *s = steps.data() + c * dim, *inv = inverses.data() + c * dim;
           float* err = errors.data() + c * dim;
+          int64_t d0 = 0;  // channels summed W at a time, each channel's sum in a register over the tokens (lanes.h)
+          for (; d0 + L::W <= dim; d0 += L::W) {
+            const L::F vl = L::load(l + d0), vs = L::load(s + d0), vi = L::load(inv + d0), vt = L::load(top + d0);
+            L::F sum = L::zero();
+            for (int64_t t = 0; t < group; ++t) {
+              const L::F v = L::load(xg + t * dim + d0);
+              // max(k, 0) is 0 where k is NaN (lanes.h: max returns its second operand): the reference's NaN to 0
+              const L::F k = L::min(L::max(L::round_even(L::mul(L::sub(v, vl), vi)), L::zero()), vt);
+              const L::F e = L::sub(L::add(L::mul(k, vs), vl), v);
+              sum = L::add(sum, L::mul(e, e));
+            }
+            L::store(err + d0, sum);
+          }
           for (int64_t t = 0; t < group; ++t) {
             const float* v = xg + t * dim;
-            for (int64_t d = 0; d < dim; ++d) {
+            for (int64_t d = d0; d < dim; ++d) {
               const float e = (grid(v[d], l[d], inv[d], top[d]) * s[d] + l[d]) - v[d];
               err[d] += e * e;
             }
           }
         }
       }
-      for (int64_t d = 0; d < dim; ++d) {
+      for (int64_t d = 0; d < dim; ++d) {  // the chosen candidate of each channel, its row moved to candidate 0
         int64_t best = 0;
         float least = 0.f;
         for (int64_t c = 0; c < count && count > 1; ++c) {  // nan_to_num(inf), then the first least (argmin)
@@ -581,10 +630,19 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
                      : (e == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::max() : e);
           if (c == 0 || e < least) best = c, least = e;
         }
-        const float l = lows[best * dim + d], s = steps[best * dim + d], inv = inverses[best * dim + d];
-        plow[g * dim + d] = static_cast<c10::Half>(l), pstep[g * dim + d] = static_cast<c10::Half>(s);
-        for (int64_t t = 0; t < group; ++t)
-          pcodes[(g * group + t) * dim + d] = static_cast<uint8_t>(grid(xg[t * dim + d], l, inv, top[d]));
+        lows[d] = lows[best * dim + d], steps[d] = steps[best * dim + d], inverses[d] = inverses[best * dim + d];
+        plow[g * dim + d] = static_cast<c10::Half>(lows[d]), pstep[g * dim + d] = static_cast<c10::Half>(steps[d]);
+      }
+      const float *l = lows.data(), *inv = inverses.data();
+      for (int64_t t = 0; t < group; ++t) {
+        const float* v = xg + t * dim;
+        uint8_t* out = pcodes + (g * group + t) * dim;
+        int64_t d = 0;
+        for (; d + L::W <= dim; d += L::W) {
+          const L::F k = L::round_even(L::mul(L::sub(L::load(v + d), L::load(l + d)), L::load(inv + d)));
+          L::store_bytes(out + d, L::min(L::max(k, L::zero()), L::load(top + d)));
+        }
+        for (; d < dim; ++d) out[d] = static_cast<uint8_t>(grid(v[d], l[d], inv[d], top[d]));
       }
     }
   });

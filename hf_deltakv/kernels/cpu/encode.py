@@ -1,5 +1,5 @@
-"""Python side of the CPU encode kernels (`encode.cpp`): one decoded token's block quantization and closed-loop delta
-step, byte-identical to `quant.quantize` and `reference.code_delta` (tested)."""
+"""Python side of the CPU encode kernels (`encode.cpp`): block quantization of new tokens into their storage and the
+closed-loop delta step, byte-identical to `quant.quantize` and `reference.code_delta` (tested)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ def quantize(x: torch.Tensor, fmt: str, extension, search_scale: bool = False) -
 def quantize_at(
     x: torch.Tensor, fmt: str, search_scale: bool, target: QuantizedTensor, at: int, rotation: int, extension
 ) -> None:
-    """`reference.quantize_at` for one fp32 token per head, `x [batch, heads, 1, dim]` (rotated first when
-    `rotation`, the Hadamard block, is not 0)."""
+    """`reference.quantize_at` for fp32 tokens `x [batch, heads, n, dim]` (rotated first when `rotation`, the Hadamard
+    block, is not 0)."""
     kind, block = int(get_format(fmt).kind), get_format(fmt).block_size
     empty = target.codes.new_empty(0, dtype=torch.float16)
-    rows = x[:, :, 0] if x.stride(-1) == 1 else x[:, :, 0].contiguous()  # the kernel reads each row contiguous
+    rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads each row contiguous
     extension.quantize_rows_at(
         rows, kind, block, divisors(fmt, search_scale), target.codes, target.scales,
         empty if target.mins is None else target.mins, at, rotation, rotation_scale(rotation) if rotation else 1.0,

@@ -13,6 +13,8 @@
 at::Tensor stream_attention(at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout,
                                py::object value_layout, at::Tensor positions, at::Tensor freqs, at::Tensor mask,
                                int64_t n_queries, int64_t causal_offset, double scale, int64_t split);
+void decode_into(py::object layout, at::Tensor out, at::Tensor positions, at::Tensor freqs, at::Tensor order,
+                 double rotation_scale, int64_t span);
 std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
                       at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale);
@@ -50,8 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_latent", &quantize_latent, "the residual cache's latent groups packed at their depths");
   m.def("latent_attention", &latent_attention, "softmax statistics over residual-coded tokens, values latent");
   m.def("stream_attention", &stream_attention, "decode attention over packed codec storage");
+  m.def("decode_into", &decode_into, "a stored stream decoded into a prefill's history (reference.decode_into)");
   m.def("quantize_rows", &quantize_rows, "block quantization of rows (q4_0, q4_1, q8_0 families)");
-  m.def("quantize_rows_at", &quantize_rows_at, "quantize_rows of one token per head (rotated first or not), in place in growing storage");
+  m.def("quantize_rows_at", &quantize_rows_at, "quantize_rows of new tokens (rotated first or not), in place in growing storage");
   m.def("undo_rope", &undo_rope, "keys after RoPE turned back to before it (rope.RopeForm.undo)");
   m.def("code_delta_rows", &code_delta_rows, "one closed-loop delta step (inter/intra per block)");
 }

@@ -7,7 +7,8 @@
 // per token range and shared by the items of every kv head), score every query row that shares the kv head (GQA),
 // fold into an online softmax, and accumulate values still in their rotated basis (the rotation is linear, so it is
 // undone once on the accumulated rows). Items are merged with log-sum-exp at the end. Inner loops keep their sums in
-// registers (AVX2): a sum kept in memory is stored and reloaded on every add, which the compiler cannot avoid.
+// registers (lanes.h: AVX-512, AVX2 or one lane, one source): a sum kept in memory is stored and reloaded on every
+// add, which the compiler cannot avoid.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -26,8 +27,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "lanes.h"
 #include "planes.h"
 #include "rope.h"
 #include "softmax.h"
@@ -618,50 +621,42 @@ inline void transpose_tile(const float* in, float* out) {
 }
 
 // scores[r][j] = sum_c q[r][c] * kt[c][j] for rows r < rows and columns j < cols (a multiple of 32, kt zero past
-// the tile's tokens): three rows and 32 columns at a time, their sums in registers, each key vector loaded once.
+// the tile's tokens): three rows (a kv head's query heads in most GQA models) and 32 columns at a time, their sums in
+// registers (lanes.h: 12 on AVX2, 6 on AVX-512), each key vector loaded once for the three rows.
 template <int D>
 void tile_scores(const float* kt, const float* q, int64_t rows, int cols, float* scores) {
-  alignas(32) static const float zero_row[D] = {};
+  using namespace hfd::lanes;
+  constexpr int V = 32 / W;  // vectors across 32 columns
+  alignas(64) static const float zero_row[D] = {};
   for (int j0 = 0; j0 < cols; j0 += 32) {
     for (int64_t r0 = 0; r0 < rows; r0 += 3) {
       const float* qr[3];
       for (int r = 0; r < 3; ++r) qr[r] = r0 + r < rows ? q + (r0 + r) * D : zero_row;
-#if defined(__AVX2__)
-      __m256 acc[3][4];
+      F acc[3][V];
       for (int r = 0; r < 3; ++r)
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+        for (int v = 0; v < V; ++v) acc[r][v] = zero();
       for (int c = 0; c < D; ++c) {
         const float* kc = kt + c * TILE + j0;
-        const __m256 k0 = _mm256_load_ps(kc), k1 = _mm256_load_ps(kc + 8);
-        const __m256 k2 = _mm256_load_ps(kc + 16), k3 = _mm256_load_ps(kc + 24);
+        F k[V];
+        for (int v = 0; v < V; ++v) k[v] = load(kc + v * W);
         for (int r = 0; r < 3; ++r) {
-          const __m256 qc = _mm256_set1_ps(qr[r][c]);
-          acc[r][0] = _mm256_fmadd_ps(qc, k0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(qc, k1, acc[r][1]);
-          acc[r][2] = _mm256_fmadd_ps(qc, k2, acc[r][2]);
-          acc[r][3] = _mm256_fmadd_ps(qc, k3, acc[r][3]);
+          const F qc = set1(qr[r][c]);
+          for (int v = 0; v < V; ++v) acc[r][v] = fmadd(qc, k[v], acc[r][v]);
         }
       }
       for (int64_t r = 0; r < 3 && r0 + r < rows; ++r)
-        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(scores + (r0 + r) * TILE + j0 + 8 * v, acc[r][v]);
-#else
-      for (int64_t r = 0; r < 3 && r0 + r < rows; ++r) {
-        float* out = scores + (r0 + r) * TILE + j0;
-        std::fill(out, out + 32, 0.f);
-        for (int c = 0; c < D; ++c)
-          for (int j = 0; j < 32; ++j) out[j] += qr[r][c] * kt[c * TILE + j0 + j];
-      }
-#endif
+        for (int v = 0; v < V; ++v) store(scores + (r0 + r) * TILE + j0 + v * W, acc[r][v]);
     }
   }
 }
 
 // acc[r][c] += sum_j p[r][j] * v[j][c] for rows r < rows and tokens j < n (p rows TILE apart): two rows and 32
-// channels at a time, their sums in registers over the tile (eight of AVX2's sixteen), each value vector loaded once
-// for both rows.
+// channels at a time, their sums in registers over the tile (lanes.h: eight of AVX2's sixteen, four on AVX-512), each
+// value vector loaded once for both rows.
 template <int D>
 void tile_values(const float* p, const float* v, int64_t rows, int n, float* acc) {
-#if defined(__AVX2__)
+  using namespace hfd::lanes;
+  constexpr int V = 32 / W;  // vectors across 32 channels
   for (int64_t r0 = 0; r0 < rows; r0 += 2) {
     const bool pair = r0 + 1 < rows;
     const float* p0 = p + r0 * TILE;
@@ -669,34 +664,23 @@ void tile_values(const float* p, const float* v, int64_t rows, int n, float* acc
     float* a0 = acc + r0 * D;
     float* a1 = pair ? a0 + D : a0;
     for (int c0 = 0; c0 < D; c0 += 32) {
-      __m256 s0[4], s1[4];
-      for (int k = 0; k < 4; ++k) s0[k] = _mm256_loadu_ps(a0 + c0 + 8 * k), s1[k] = _mm256_loadu_ps(a1 + c0 + 8 * k);
+      F s0[V], s1[V];
+      for (int k = 0; k < V; ++k) s0[k] = load(a0 + c0 + k * W), s1[k] = load(a1 + c0 + k * W);
       for (int j = 0; j < n; ++j) {
         const float* vj = v + j * D + c0;
-        const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
-        for (int k = 0; k < 4; ++k) {
-          const __m256 x = _mm256_load_ps(vj + 8 * k);
-          s0[k] = _mm256_fmadd_ps(w0, x, s0[k]);
-          s1[k] = _mm256_fmadd_ps(w1, x, s1[k]);
+        const F w0 = set1(p0[j]), w1 = set1(p1[j]);
+        for (int k = 0; k < V; ++k) {
+          const F x = load(vj + k * W);
+          s0[k] = fmadd(w0, x, s0[k]);
+          s1[k] = fmadd(w1, x, s1[k]);
         }
       }
-      for (int k = 0; k < 4; ++k) {
-        _mm256_storeu_ps(a0 + c0 + 8 * k, s0[k]);
-        if (pair) _mm256_storeu_ps(a1 + c0 + 8 * k, s1[k]);
+      for (int k = 0; k < V; ++k) {
+        store(a0 + c0 + k * W, s0[k]);
+        if (pair) store(a1 + c0 + k * W, s1[k]);
       }
     }
   }
-#else
-  for (int64_t r = 0; r < rows; ++r) {
-    float* ar = acc + r * D;
-    for (int j = 0; j < n; ++j) {
-      const float w = p[r * TILE + j];
-      const float* vj = v + j * D;
-#pragma omp simd
-      for (int c = 0; c < D; ++c) ar[c] += w * vj[c];
-    }
-  }
-#endif
 }
 
 // The RoPE cos/sin of one token range of one batch row, kept by a thread for the next work item of the same call.
@@ -832,7 +816,163 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
   }
 }
 
+// --- a stream decoded into the history a prefill's attention reads ---------------------------------------------
+
+// fp32 into the output's dtype as torch converts it: bf16 rounding to nearest even, fp16 saturating at its largest
+// finite value (quant.saturate_fp16), NaN kept.
+template <typename T>
+inline T to_output(float x) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    const float most = static_cast<float>(std::numeric_limits<c10::Half>::max());
+    return c10::Half(std::isnan(x) ? x : std::min(std::max(x, -most), most));
+  } else {
+    return T(x);
+  }
+}
+
+struct DecodeArgs {
+  const int32_t* positions;  // int32 [B, L] rows `positions_stride` apart, or null: no RoPE
+  const hfd::RopeSteps* rope_steps;
+  int64_t positions_stride = 0;
+  const int64_t* order;  // canonical channel c goes to the model's channel order[c]; null: the same
+  int64_t heads, heads_total, span;  // span: tokens per work item (a multiple of every group and keyframe interval)
+  int64_t stride[4];  // of the output [B, H, L, D] (the last is 1)
+  float norm;  // the rotation's 1 / sqrt(block) as Python defines it (hadamard.rotation_scale)
+};
+
+// Work item `item`: tokens [t_begin, t_end) of head bh decoded tile by tile as run_item decodes keys (channel-major,
+// rotation undone, RoPE re-applied), then written token-major into `out` in the model's channel order.
+template <int D, typename T>
+void decode_item(const DecodeArgs& a, const Stream& s, T* out, int64_t item) {
+  const int64_t bh = item % a.heads_total, b = bh / a.heads, h = bh % a.heads;
+  const int64_t shift = s.adaptive ? s.pad : 0;
+  const bool key_groups = s.adaptive || s.channel;
+  const int64_t t_begin = std::max<int64_t>(item / a.heads_total * a.span - shift, 0);
+  const int64_t t_end = std::min(s.length, (item / a.heads_total + 1) * a.span - shift);
+  if (t_begin >= t_end) return;
+  const int64_t span = t_end - t_begin;
+  std::vector<float> rope_cos, rope_sin;
+  if (a.positions) {
+    rope_cos.resize(D / 2 * span), rope_sin.resize(D / 2 * span);
+    hfd::RopeRun(*a.rope_steps).fill(a.positions + b * a.positions_stride + t_begin, span, rope_cos.data(),
+                                     rope_sin.data(), span);
+  }
+  alignas(64) float tile[TILE * D];  // token-major, as decoded
+  alignas(64) float kt[D * TILE];    // channel-major
+  alignas(64) float run[D], scratch[D];
+  Cursor cur;
+  cur.start(t_begin, s.kf);
+  MeanCache mean;
+  T* head_out = out + b * a.stride[0] + h * a.stride[1];
+  for (int64_t t0 = t_begin, t1; t0 < t_end; t0 = t1) {
+    t1 = std::min(t_end, t0 + TILE);
+    if (key_groups) t1 = std::min(t1, ((t0 + shift) / s.group + 1) * s.group - shift);
+    const int n_tok = static_cast<int>(t1 - t0);
+    if (key_groups && t0 < s.coded) {
+      s.group_tile(bh, (t0 + shift) / s.group, (t0 + shift) % s.group, n_tok, kt, TILE);
+    } else {
+      for (int j = 0; j < n_tok; ++j) {
+        s.token(bh, t0 + j, cur, run, tile + j * D, scratch, mean);
+        cur.advance(s.kf);
+      }
+      for (int j = n_tok; j < TILE; ++j) std::fill(tile + j * D, tile + (j + 1) * D, 0.f);
+      transpose_tile<D>(tile, kt);
+    }
+    if (s.rotation) {  // reference.decode_stream: the butterflies, then times the normalisation
+      hadamard_tile<D>(kt, s.rotation);
+      for (int c = 0; c < D; ++c) {
+        float* row = kt + c * TILE;
+#pragma omp simd
+        for (int j = 0; j < n_tok; ++j) row[j] *= a.norm;
+      }
+    }
+    if (a.positions) {
+      constexpr int HALF = D / 2;
+      for (int c = 0; c < HALF; ++c) {
+        float* lo = kt + c * TILE;
+        float* hi = kt + (c + HALF) * TILE;
+        const float* cs = rope_cos.data() + c * span + (t0 - t_begin);
+        const float* sn = rope_sin.data() + c * span + (t0 - t_begin);
+#pragma omp simd
+        for (int j = 0; j < n_tok; ++j) {
+          const float x = lo[j], y = hi[j];
+          lo[j] = x * cs[j] - y * sn[j];
+          hi[j] = y * cs[j] + x * sn[j];
+        }
+      }
+    }
+    for (int c = 0; c < D; ++c) {
+      const float* row = kt + c * TILE;
+      T* dst = head_out + t0 * a.stride[2] + (a.order ? a.order[c] : c);
+      for (int j = 0; j < n_tok; ++j) dst[j * a.stride[2]] = to_output<T>(row[j]);
+    }
+  }
+}
+
+// The stored keys' positions (int32 [batch, length], rows contiguous) and RoPE frequencies (float64 [dim / 2]),
+// checked; nullptr when both are empty (no RoPE to redo), else the positions with their row stride in *stride.
+const int32_t* checked_positions(const at::Tensor& positions, const at::Tensor& freqs, int64_t batch, int64_t length,
+                                 int64_t dim, int64_t* stride) {
+  if (!positions.numel()) return nullptr;
+  TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.stride(1) == 1 &&
+                  positions.size(0) == batch && positions.size(1) == length,
+              "positions must be int32 [batch, stream tokens] with contiguous rows");
+  TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.is_contiguous() && freqs.numel() * 2 == dim,
+              "freqs must be float64 [head_dim / 2]");
+  *stride = positions.stride(0);
+  return positions.data_ptr<int32_t>();
+}
+
 }  // namespace
+
+// Every token of a stored stream decoded into `out` [B, H, L, D] (fp32, bf16 or fp16, the last dimension contiguous,
+// any other strides): kernels/reference.py decode_into, what a prefill's attention reads. positions int32 [B, L]
+// (rows contiguous) and freqs float64 [D / 2] of the stream's RoPE, or both empty; order int64 [D] (canonical channel
+// c is the model's order[c]) or empty; rotation_scale: hadamard.rotation_scale of the stream's block (1 if none);
+// span: tokens per work item, a multiple of the stream's group or keyframe interval.
+void decode_into(py::object layout, at::Tensor out, at::Tensor positions, at::Tensor freqs, at::Tensor order,
+                 double rotation_scale, int64_t span) {
+  TORCH_CHECK(out.dim() == 4 && out.stride(3) == 1, "out must be [B, H, L, D] with contiguous rows");
+  const int64_t batch = out.size(0), heads = out.size(1), dim = out.size(3);
+  const Stream s(layout, dim);
+  TORCH_CHECK(out.size(2) == s.length, "out holds ", out.size(2), " tokens, the stream ", s.length);
+  TORCH_CHECK(span > 0 && span % TILE == 0, "span must be a positive multiple of ", TILE);
+  DecodeArgs a;
+  a.positions = checked_positions(positions, freqs, batch, s.length, dim, &a.positions_stride);
+  const hfd::RopeSteps rope_steps(a.positions ? freqs.data_ptr<double>() : nullptr,
+                                  a.positions ? static_cast<int>(dim / 2) : 0);
+  a.rope_steps = &rope_steps;
+  at::Tensor order_t;
+  a.order = nullptr;
+  if (order.numel()) {
+    order_t = order.to(at::kLong).contiguous();
+    TORCH_CHECK(order_t.numel() == dim, "order must be int64 [head_dim]");
+    a.order = order_t.data_ptr<int64_t>();
+  }
+  a.heads = heads, a.heads_total = batch * heads, a.span = span, a.norm = static_cast<float>(rotation_scale);
+  for (int d = 0; d < 4; ++d) a.stride[d] = out.stride(d);
+  const int64_t shift = s.adaptive ? s.pad : 0;
+  const int64_t items = batch * heads * ((s.length + shift + span - 1) / span);
+  const auto type = out.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "out must be fp32, bf16 or fp16");
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      auto run = [&](auto* typed) {
+        using T = std::remove_pointer_t<decltype(typed)>;
+        switch (dim) {
+          case 32: decode_item<32, T>(a, s, typed, item); break;
+          case 64: decode_item<64, T>(a, s, typed, item); break;
+          case 128: decode_item<128, T>(a, s, typed, item); break;
+          case 256: decode_item<256, T>(a, s, typed, item); break;
+          default: TORCH_CHECK(false, "the CPU kernel decodes head_dim 32, 64, 128 or 256, got ", dim);
+        }
+      };
+      if (type == at::kFloat) run(out.data_ptr<float>());
+      else if (type == at::kBFloat16) run(out.data_ptr<at::BFloat16>());
+      else run(out.data_ptr<at::Half>());
+    }
+  });
+}
 
 // Attention of the query rows over the raw sink tokens and the codec-stored stream, normalised: [B, Hkv, R, D].
 // query [B, Hkv, R, D] fp32 (row r = g * n + i); sink_k, sink_v fp32 [B, Hkv, S, D] (S may be 0); positions int32
@@ -852,15 +992,7 @@ at::Tensor stream_attention(
   Args a;
   a.call = calls++;
   a.q = query.data_ptr<float>();
-  a.positions = nullptr;
-  if (positions.numel()) {
-    TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.stride(1) == 1 &&
-                    positions.size(0) == batch && positions.size(1) == length,
-                "positions must be int32 [batch, stream tokens] with contiguous rows");
-    TORCH_CHECK(freqs.scalar_type() == at::kDouble && freqs.is_contiguous() && freqs.numel() * 2 == dim,
-                "freqs must be float64 [head_dim / 2]");
-    a.positions = positions.data_ptr<int32_t>(), a.positions_stride = positions.stride(0);
-  }
+  a.positions = checked_positions(positions, freqs, batch, length, dim, &a.positions_stride);
   // The angle table of the frequencies (none without RoPE), one per call, read by every work item.
   const hfd::RopeSteps rope_steps(a.positions ? freqs.data_ptr<double>() : nullptr,
                                   a.positions ? static_cast<int>(dim / 2) : 0);

@@ -7,10 +7,12 @@ import math
 
 import torch
 
+from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, StreamLayout
 
 EMPTY_FLOAT = torch.empty(0)
 EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
+EMPTY_LONG = torch.empty(0, dtype=torch.long)
 TOKENS_PER_ITEM = 256  # tokens per work item: items are spread over the threads, then merged
 TILE = 64  # tokens per tile of the kernel (stream_attention.cpp), the largest group it decodes at once
 
@@ -59,7 +61,7 @@ def stream_attention(
 ) -> torch.Tensor:
     """Run the compiled kernel; arguments as in `reference.stream_attention`, the RoPE as (positions, freqs) tensors
     (empty: none; `kernels._rope_arguments`), the C++ side reading the layouts' fields by name."""
-    aligned = math.lcm(*(s.kf if isinstance(s, DeltaStream) else getattr(s, "group", 1) for s in (keys, values)))
+    aligned = _aligned(keys, values)
     split = -(-TOKENS_PER_ITEM // aligned) * aligned  # delta streams: every work item starts on a keyframe
     return extension.stream_attention(
         query.float().contiguous(),
@@ -74,3 +76,29 @@ def stream_attention(
         float(scale),
         split,
     )
+
+
+DECODED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `decode_into` writes
+
+
+def decodes(stream: StreamLayout, out: torch.Tensor) -> bool:
+    """Whether `decode_into` serves this stream and output: a stream the attention kernel reads, a head dimension it
+    is compiled for, an output of `DECODED_DTYPES` with contiguous rows."""
+    dims = (32, 64, 128, 256)
+    return _reads(stream) and stream.dim in dims and out.dtype in DECODED_DTYPES and out.stride(-1) == 1
+
+
+def _aligned(*streams: StreamLayout) -> int:
+    """The token multiple work items start on: every delta stream's keyframe interval and every group."""
+    return math.lcm(*(s.kf if isinstance(s, DeltaStream) else getattr(s, "group", 1) for s in streams))
+
+
+def decode_into(
+    stream: StreamLayout, out: torch.Tensor, rope_arguments: tuple[torch.Tensor, torch.Tensor],
+    order: torch.Tensor | None, extension,
+) -> None:  # fmt: skip
+    """`reference.decode_into` by the compiled kernel (`decodes` must hold): the RoPE as (positions, freqs) tensors
+    (empty: none), work items of `TOKENS_PER_ITEM` tokens (rounded to the stream's groups) spread over the threads."""
+    span = math.lcm(-(-TOKENS_PER_ITEM // _aligned(stream)) * _aligned(stream), TILE)
+    scale = rotation_scale(stream.rotation) if stream.rotation else 1.0
+    extension.decode_into(stream, out, *rope_arguments, EMPTY_LONG if order is None else order, scale, span)
