@@ -49,15 +49,8 @@ def machine() -> dict:
     slow): the CPU's model name, which of `SPEED_FLAGS` it has, the cores and the threads torch uses."""
     import torch
 
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags = set(value.split())
-    except OSError:  # (not Linux: the processor's name as the platform reports it)
-        pass
+    from hf_deltakv.kernels.cpu import cpu_info
+
+    model, flags = cpu_info()
     return {"cpu": model, "flags": [f for f in SPEED_FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "arch": platform.machine()}  # fmt: skip

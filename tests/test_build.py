@@ -125,9 +125,9 @@ def test_a_native_build_is_keyed_by_the_cpus_instruction_sets(monkeypatch):
     """A kernel folder shared by machines with other CPUs (HF_DELTAKV_KERNEL_DIR on a network disk) holds one
     -march=native build per instruction set, never one machine's AVX-512 build loaded by an AVX2 machine."""
     native, named = (["-O3", "-march=native"], []), (["-O3", "-march=x86-64-v3"], [])
-    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "avx2 fma sse2")
+    monkeypatch.setattr(cpu, "cpu_info", lambda: ("a CPU", {"avx2", "fma", "sse2"}))
     keys = cpu.build_key(*native), cpu.build_key(*named)
-    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "avx2 avx512f fma sse2")
+    monkeypatch.setattr(cpu, "cpu_info", lambda: ("a CPU", {"avx2", "avx512f", "fma", "sse2"}))
     assert cpu.build_key(*native) != keys[0]
     assert cpu.build_key(*named) == keys[1]  # a named target is the same build on every machine
 

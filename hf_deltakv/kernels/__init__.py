@@ -52,6 +52,7 @@ import torch
 from ..quant import Kind, QuantizedTensor, get_format
 from ..quant.bitpack import GROUP
 from . import reference
+from .cpu.stream_attention import HEAD_DIMS as CPU_HEAD_DIMS
 from .hadamard import rotate
 from .layout import (
     AdaptiveStream,
@@ -469,7 +470,7 @@ def stream_attention(
     if query.dim() == 5:  # (the other paths read rows: a copy where transformers' layout is not theirs)
         query = query.flatten(2, 3)
     dim, value_dim = query.shape[-1], sink_values.shape[-1]
-    if value_dim == dim and dim in (32, 64, 128, 256):
+    if value_dim == dim and dim in CPU_HEAD_DIMS:
         compiled = _cpu_extension(query.device)
         if compiled is not None:
             from .cpu.stream_attention import stream_attention as kernel

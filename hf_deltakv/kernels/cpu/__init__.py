@@ -84,20 +84,24 @@ def build_key(cflags: list[str], ldflags: list[str]) -> str:
     for part in (*cflags, "|", *ldflags, torch.__version__, sys.version, platform.machine(), os.environ.get("CXX", "")):
         digest.update(part.encode())
     if "-march=native" in cflags:  # one kernel folder shared by machines with other CPUs: a build per instruction set
-        digest.update(_cpu_flags().encode())
+        digest.update(" ".join(sorted(cpu_info()[1])).encode())
     return f"cpu-{digest.hexdigest()[:16]}"
 
 
-def _cpu_flags() -> str:
-    """This CPU's feature flags as Linux lists them (what `-march=native` compiles for); empty where unknown."""
+def cpu_info() -> tuple[str, set[str]]:
+    """This CPU's model name and feature flags as Linux lists them (the flags are what `-march=native` compiles
+    for); elsewhere the platform's processor name and no flags."""
+    model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return " ".join(sorted(value.split()))
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
     except OSError:
         pass
-    return ""
+    return model, flags
 
 
 def _import_built(folder: Path):

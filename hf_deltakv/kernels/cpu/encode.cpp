@@ -571,6 +571,10 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
     return std::min(std::max(k, 0.f), top);
   };
   namespace L = hfd::lanes;
+  // `grid` on W lanes (max(k, 0) is 0 where k is NaN: lanes.h's max returns its second operand)
+  const auto grid_lanes = [](L::F x, L::F lo, L::F inv, L::F top) {
+    return L::min(L::max(L::round_even(L::mul(L::sub(x, lo), inv)), L::zero()), top);
+  };
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> lows(count * dim), steps(count * dim), inverses(count * dim), errors(count * dim);
     for (int64_t g = begin; g < end; ++g) {
@@ -605,8 +609,7 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
             L::F sum = L::zero();
             for (int64_t t = 0; t < group; ++t) {
               const L::F v = L::load(xg + t * dim + d0);
-              // max(k, 0) is 0 where k is NaN (lanes.h: max returns its second operand): the reference's NaN to 0
-              const L::F k = L::min(L::max(L::round_even(L::mul(L::sub(v, vl), vi)), L::zero()), vt);
+              const L::F k = grid_lanes(v, vl, vi, vt);
               const L::F e = L::sub(L::add(L::mul(k, vs), vl), v);
               sum = L::add(sum, L::mul(e, e));
             }
@@ -639,8 +642,7 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
         uint8_t* out = pcodes + (g * group + t) * dim;
         int64_t d = 0;
         for (; d + L::W <= dim; d += L::W) {
-          const L::F k = L::round_even(L::mul(L::sub(L::load(v + d), L::load(l + d)), L::load(inv + d)));
-          L::store_bytes(out + d, L::min(L::max(k, L::zero()), L::load(top + d)));
+          L::store_bytes(out + d, grid_lanes(L::load(v + d), L::load(l + d), L::load(inv + d), L::load(top + d)));
         }
         for (; d < dim; ++d) out[d] = static_cast<uint8_t>(grid(v[d], l[d], inv[d], top[d]));
       }

@@ -710,6 +710,25 @@ struct Args {
   float *part_acc, *part_max, *part_sum;
 };
 
+// RoPE turned forward on the first n_tok tokens of a channel-major tile kt [D][TILE]: canonical pair c, c + D/2 of
+// token j by cos_table[c * stride + j] and sin_table[c * stride + j] (pair-major angle tables, `stride` tokens a pair).
+template <int D>
+inline void rope_tile(float* kt, const float* cos_table, const float* sin_table, int64_t stride, int n_tok) {
+  constexpr int HALF = D / 2;
+  for (int c = 0; c < HALF; ++c) {
+    float* lo = kt + c * TILE;
+    float* hi = kt + (c + HALF) * TILE;
+    const float* cs = cos_table + c * stride;
+    const float* sn = sin_table + c * stride;
+#pragma omp simd
+    for (int j = 0; j < n_tok; ++j) {
+      const float x = lo[j], y = hi[j];
+      lo[j] = x * cs[j] - y * sn[j];
+      hi[j] = y * cs[j] + x * sn[j];
+    }
+  }
+}
+
 // One work item: tokens [t_begin, t_end) of head bh, into its own partial statistics.
 template <int D>
 void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t item) {
@@ -766,22 +785,8 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       transpose_tile<D>(k_tile, kt);
       hadamard_tile<D>(kt, keys.rotation);
     }
-    if (a.positions) {
-      // RoPE re-applied to the canonical pairs c, c + D/2 (rope.h: angles from the positions, none stored).
-      constexpr int HALF = D / 2;
-      for (int c = 0; c < HALF; ++c) {
-        float* lo = kt + c * TILE;
-        float* hi = kt + (c + HALF) * TILE;
-        const float* cs = rope_cos + c * span + (t0 - t_begin);
-        const float* sn = rope_sin + c * span + (t0 - t_begin);
-#pragma omp simd
-        for (int j = 0; j < n_tok; ++j) {
-          const float x = lo[j], y = hi[j];
-          lo[j] = x * cs[j] - y * sn[j];
-          hi[j] = y * cs[j] + x * sn[j];
-        }
-      }
-    }
+    // RoPE re-applied to the canonical pairs c, c + D/2 (rope.h: angles from the positions, none stored).
+    if (a.positions) rope_tile<D>(kt, rope_cos + (t0 - t_begin), rope_sin + (t0 - t_begin), span, n_tok);
     tile_scores<D>(kt, q_scaled.data(), rows, n_vec, scores.data());
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r % a.n_queries;
@@ -886,21 +891,8 @@ void decode_item(const DecodeArgs& a, const Stream& s, T* out, int64_t item) {
         for (int j = 0; j < n_tok; ++j) row[j] *= a.norm;
       }
     }
-    if (a.positions) {
-      constexpr int HALF = D / 2;
-      for (int c = 0; c < HALF; ++c) {
-        float* lo = kt + c * TILE;
-        float* hi = kt + (c + HALF) * TILE;
-        const float* cs = rope_cos.data() + c * span + (t0 - t_begin);
-        const float* sn = rope_sin.data() + c * span + (t0 - t_begin);
-#pragma omp simd
-        for (int j = 0; j < n_tok; ++j) {
-          const float x = lo[j], y = hi[j];
-          lo[j] = x * cs[j] - y * sn[j];
-          hi[j] = y * cs[j] + x * sn[j];
-        }
-      }
-    }
+    if (a.positions)
+      rope_tile<D>(kt, rope_cos.data() + (t0 - t_begin), rope_sin.data() + (t0 - t_begin), span, n_tok);
     for (int c = 0; c < D; ++c) {
       const float* row = kt + c * TILE;
       T* dst = head_out + t0 * a.stride[2] + (a.order ? a.order[c] : c);

@@ -15,6 +15,7 @@ EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
 EMPTY_LONG = torch.empty(0, dtype=torch.long)
 TOKENS_PER_ITEM = 256  # tokens per work item: items are spread over the threads, then merged
 TILE = 64  # tokens per tile of the kernel (stream_attention.cpp), the largest group it decodes at once
+HEAD_DIMS = (32, 64, 128, 256)  # the head dimensions the kernel is compiled for (its `switch (dim)`)
 
 
 def _tiles(q, dim: int) -> bool:
@@ -84,8 +85,7 @@ DECODED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `decode_
 def decodes(stream: StreamLayout, out: torch.Tensor) -> bool:
     """Whether `decode_into` serves this stream and output: a stream the attention kernel reads, a head dimension it
     is compiled for, an output of `DECODED_DTYPES` with contiguous rows."""
-    dims = (32, 64, 128, 256)
-    return _reads(stream) and stream.dim in dims and out.dtype in DECODED_DTYPES and out.stride(-1) == 1
+    return _reads(stream) and stream.dim in HEAD_DIMS and out.dtype in DECODED_DTYPES and out.stride(-1) == 1
 
 
 def _aligned(*streams: StreamLayout) -> int:
