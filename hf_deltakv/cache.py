@@ -162,7 +162,7 @@ class StreamCache(Cache):
         after one stopped midway), the state it replaced, kept to undo it; each storage once."""
         self._recover()
         before = [attributes for _, attributes in self.forward.saved[1]] if self.forward.saved else []
-        return nbytes_of([[layer.held() for layer in self.layers], self.positions.ids, before])
+        return nbytes_of([[layer.held() for layer in self.layers], self.positions.tensors(), before])
 
     def _new_layer(self, layer_idx: int) -> StreamLayer:
         layer = self._make_layer(layer_idx)
@@ -748,6 +748,16 @@ def total_nbytes(cache, group=None) -> int:
     held = cache.nbytes()
     if not (dist.is_available() and dist.is_initialized()):
         return held
-    total = torch.tensor([held], dtype=torch.int64)
+    total = torch.tensor([held], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(total, group=group)
     return int(total.item())
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective of `group` must live: NCCL's (and its ROCm twin's) communicate GPU memory only,
+    the rank's current GPU; gloo and the others the CPU's."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -40,7 +40,9 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin fp32 `[*positions.shape, len(freqs)]` of the angles `position * freq` (computed in float64, so large
     positions stay exact): the specification the kernels' angles are held to."""
-    angle = positions.to(torch.float64).unsqueeze(-1) * freqs.to(device=positions.device, dtype=torch.float64)
+    if freqs.device != positions.device:  # (callers on a decoding step pass `RopeForm.on`'s copy: nothing moves)
+        freqs = freqs.to(positions.device)
+    angle = positions.to(torch.float64).unsqueeze(-1) * freqs.to(torch.float64)
     return angle.cos().float(), angle.sin().float()
 
 
@@ -74,13 +76,13 @@ class RopeForm:
         every layer: a copy from the host per step would stall the GPU's queue)."""
         kept = self.__dict__.setdefault("_on", {})
         if device not in kept:
-            order = None if self.order is None else self.order.to(device)
-            kept[device] = (self.freqs.to(device=device, dtype=torch.float64), order)
+            moved = [t if t is None or t.device == device else t.to(device) for t in (self.freqs, self.order)]
+            kept[device] = (moved[0].double(), moved[1])
         return kept[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin fp32 `[*positions.shape, D/2]` (`rope_cos_sin`)."""
-        return rope_cos_sin(positions, self.freqs)
+        return rope_cos_sin(positions, self.on(positions.device)[0])
 
     def to_canonical(self, x: torch.Tensor) -> torch.Tensor:
         """The model's channel order `[..., D]` to the canonical one."""
@@ -88,7 +90,7 @@ class RopeForm:
 
     def from_canonical(self, x: torch.Tensor) -> torch.Tensor:
         """The canonical channel order back to the model's."""
-        return x if self.order is None else x[..., self.order.argsort().to(x.device)]
+        return x if self.order is None else x[..., self.on(x.device)[1].argsort()]
 
     def undo(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys after RoPE `[batch, heads, n, D]` (model order) at `positions` `[batch, n]` -> canonical, before RoPE

@@ -82,15 +82,21 @@ EXACT_BREAK_EVEN = {torch.float32: 0.3, torch.bfloat16: 0.0, torch.float16: 0.0}
 
 @dataclass
 class SkipStats:
-    """Counts for one module, summed over decode calls: input channels seen and skipped (their weights not read)."""
+    """Counts for one module, summed over decode calls: input channels seen and skipped (their weights not read).
+    On a GPU `channels_skipped` is summed on the device (a 0-dim tensor: a decoding step reads nothing back); it is
+    read when asked for (`skipped_fraction`, the handle's `stats()`)."""
 
     calls: int = 0
     channels_seen: int = 0
-    channels_skipped: int = 0
+    channels_skipped: int | torch.Tensor = 0
 
     @property
     def skipped_fraction(self) -> float:
-        return self.channels_skipped / self.channels_seen if self.channels_seen else 0.0
+        return int(self.channels_skipped) / self.channels_seen if self.channels_seen else 0.0
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "channels_seen": self.channels_seen,
+                "channels_skipped": int(self.channels_skipped), "skipped_fraction": self.skipped_fraction}  # fmt: skip
 
 
 def block_max(t: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -549,7 +555,7 @@ class _SkippingGroup:
         enough of them are (see `EXACT_BREAK_EVEN`); otherwise step aside."""
         if self._settled:
             return self._compute(index, x, plain)
-        kept = int((x.reshape(-1, x.shape[-1]) != 0).any(0).sum())
+        kept = (x.reshape(-1, x.shape[-1]) != 0).any(0).sum()  # summed on the device; read once, at the decision
         stats = self.stats
         stats.calls += 1
         stats.channels_seen += x.shape[-1]
@@ -609,11 +615,11 @@ class WeightSkipHandle:
         for group in self._groups:
             s = group.stats
             for name, module in zip(group.names, group.modules, strict=True):
-                out[name] = {**asdict(s), "skipped_fraction": s.skipped_fraction}
+                out[name] = s.as_dict()
                 total.calls += s.calls
                 total.channels_seen += s.channels_seen * module.out_features
                 total.channels_skipped += s.channels_skipped * module.out_features
-        out["total"] = {**asdict(total), "skipped_fraction": total.skipped_fraction}
+        out["total"] = total.as_dict()
         return out
 
     def remove(self) -> None:

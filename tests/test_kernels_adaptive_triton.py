@@ -141,6 +141,27 @@ def test_group_coding_gives_the_reference_bytes(dim, group, bits, groups, pad, w
         assert _same(b, a)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_group_coding_keeps_nan_and_infinity_as_the_reference(value):
+    """A NaN or infinite key codes as the reference codes it: its channel's low and step NaN where the reference's are
+    (`tl.minimum`/`tl.maximum` would have returned the clamp's bound), the same depths, planes and ranges elsewhere."""
+    from hf_deltakv.kernels.triton.adaptive_code import code_groups
+
+    from .conftest import same_bits
+
+    g = torch.Generator().manual_seed(5)
+    dim, group, groups, pad, total = 32, 8, 2, 3, 4 * 32
+    tail = (torch.randn(2, 2, groups * group + 3, dim, generator=g) * 3).half()
+    tail[0, 0, 5, 3] = value  # one element of a channel
+    tail[1, 1, 7, :] = value  # a whole token
+    want, got = _coded_rows(2, 2, groups + 2, total, group, dim), _coded_rows(2, 2, groups + 2, total, group, dim)
+    reference.code_groups(tail, pad, groups, None, total, True, want, 1)
+    code_groups(tail, pad, groups, None, total, True, got, 1)
+    assert want[2].isnan().any() or value == value  # a NaN channel's low is NaN (not a bound of the clamp)
+    for a, b in zip(want, got, strict=True):
+        assert same_bits(b, a)
+
+
 def _streams(batch, heads, length, dim, group, pad, fmt, rotate, g, tail_only=False):
     keys = AdaptiveChannelCodec(group=group, bits=4.0, offset=pad)
     values = RotatedCodec(PlainCodec(fmt, search_scale=fmt == "q4_0")) if rotate else PlainCodec(fmt)

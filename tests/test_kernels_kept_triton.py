@@ -112,6 +112,24 @@ def test_snapkv_evicts_the_oldest_among_equals():
     assert torch.equal(snapkv_evicted(kept, observation, 2, 4, 3), expected)
 
 
+def test_snapkv_pools_and_ranks_nan_weights_as_the_reference():
+    """A NaN weight (a NaN key's attention) pools to NaN over its neighbours, as max_pool1d pools it, and ranks after
+    every number: the kernel's max and min (which return the number) are not left to decide; the tokens chosen are
+    each chosen once, even when the NaN ones must go."""
+    from hf_deltakv.kernels import Observation
+    from hf_deltakv.kernels.triton.kept import snapkv_evicted
+
+    kept = _kept(1, 2, 40, 16, 0, 0, 0)
+    scores = torch.randn(2, 1, 40, generator=torch.Generator().manual_seed(0))
+    scores[0, 0, 10], scores[1, 0, 3] = float("nan"), float("nan")
+    observation = Observation(scores, torch.zeros(2, 1), torch.full((2, 1), 40.0), 1)
+    for drop, recent in ((3, 4), (20, 4), (37, 2)):
+        expected = reference.snapkv_evicted(kept, observation, drop, recent, 3)
+        got = snapkv_evicted(kept, observation, drop, recent, 3)
+        assert torch.equal(got, expected), (drop, recent)
+        assert all(len(set(row)) == drop for row in got.flatten(0, 1).tolist())
+
+
 @pytest.mark.parametrize(("n", "masked"), [(5, False), (20, True)])
 def test_a_chunk_of_queries_over_the_slots_matches_the_reference(n, masked):
     """Several queries per head (a chunk: query `i` at position `query_position + i` sees the slots up to it, or its

@@ -46,17 +46,23 @@ def test_sparse_matvec_never_reads_skipped_rows_and_with_nothing_kept_is_the_bia
     torch.testing.assert_close(got, b[None])
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_0_16", "q4_1_16"])
+@pytest.mark.parametrize(("fmt", "search"), [("q4_0", False), ("q4_0", True), ("q3_0", True), ("q4_1", False),
+                                             ("q8_0", False), ("q4_0_16", False), ("q4_1_16", False)])  # fmt: skip
 @pytest.mark.parametrize("shape", [(3, 5, 40), (1, 64), (2, 1, 3, 7)])
-def test_quantize_is_byte_identical(fmt, shape):
+def test_quantize_is_byte_identical(fmt, search, shape):
+    """Every format's codes and scales are the reference's bytes, NaN, ±inf and values past fp16 included (a block
+    holding NaN codes zeros, one holding ±inf codes what the reference's infinite scale gives, both a NaN scale)."""
     from hf_deltakv.kernels.triton import quantize as kernel
     from hf_deltakv.quant import quantize
 
     torch.manual_seed(sum(shape))
     x = (torch.randn(shape, dtype=torch.bfloat16) * 3).float()
     x[..., 0] = 0.0  # exact zeros and ties of magnitude are part of the spec
-    expected = quantize(x, fmt)
-    got = kernel.quantize(x, fmt)
+    flat = x.view(-1)
+    if flat.numel() >= 64:
+        flat[3], flat[17], flat[40], flat[41] = float("nan"), float("inf"), -float("inf"), 1e38
+    expected = quantize(x, fmt, search)
+    got = kernel.quantize(x, fmt, search)
     for name in ("codes", "scales", "mins"):
         want, have = getattr(expected, name), getattr(got, name)
         assert (want is None) == (have is None), name
@@ -215,6 +221,29 @@ def test_delta_encode_matches_reference(streams, groups, kf, dim, block, intra):
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e38])
+@pytest.mark.parametrize("intra", [True, False])
+def test_delta_encode_codes_non_finite_and_huge_tokens_as_the_reference(value, intra):
+    """A NaN or infinite element makes its block's scale NaN (and a NaN block's codes zero) as `quant.quantize` does,
+    and the closed loop carries the NaN on as the reference's does; values past fp16 saturate the scale."""
+    from hf_deltakv.kernels.triton.delta_encode import delta_encode_groups
+
+    from .conftest import same_bits
+
+    torch.manual_seed(0)
+    walk = torch.randn(2, 3, 5, 64, dtype=torch.bfloat16).float().cumsum(2)
+    walk[0, 1, 2, 5] = value  # a delta token
+    walk[1, 0, 0, 40] = value  # a keyframe
+    long_term = torch.randn_like(walk) if intra else None
+    keyframes = walk[:, :, 0] + 0.01 * torch.randn(2, 3, 64)
+    want = reference.delta_encode_groups(walk, long_term, keyframes, 16)
+    got = delta_encode_groups(walk, long_term, keyframes, 16)
+    assert torch.equal(got[0], want[0]) and same_bits(got[1], want[1])
+    assert torch.equal(got[2].isnan(), want[2].isnan()) and torch.equal(got[2].isinf(), want[2].isinf())
+    torch.testing.assert_close(got[2].nan_to_num(0.0), want[2].nan_to_num(0.0), atol=1e-5, rtol=1e-5)
+    assert want[1].isnan().any() == (value != 1e38)
 
 
 @pytest.mark.parametrize("options", [{"kf": 4}, {"kf": 8, "delta_format": "q4_0"}, {"kf": 5, "intra": False}])

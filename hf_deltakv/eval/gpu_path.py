@@ -313,6 +313,199 @@ class LaunchCounter:
         stack.callback(restore)
 
 
+@dataclass
+class Launch:
+    """One recorded Triton launch: the kernel's name and Python source, its grid (a tuple of program counts), its
+    arguments (constexprs among the keyword arguments) and the device whose guard it ran under (`common.on_device`;
+    None: no guard, so torch's current device)."""
+
+    kernel: str
+    source: str
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+    device: torch.device | None = None
+
+
+class LaunchRecorder:
+    """Records every Triton launch while active (a context manager), running none of them: the launchers can then be
+    driven on `meta` tensors at sizes no machine here holds (batch 64 x 1M tokens), and `audit` checks each launch
+    against what a GPU refuses and the interpreter does not (grid limits, int32 offsets)."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> LaunchRecorder:
+        import inspect
+
+        from ..kernels.triton.common import GUARDED
+
+        recorder = self
+        classes = []
+        with contextlib.suppress(ImportError):
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        with contextlib.suppress(ImportError):
+            from triton.runtime.jit import JITFunction
+
+            classes.append(JITFunction)
+        for cls in classes:
+            run = cls.run
+
+            def recorded(fn, *args, grid=None, warmup=False, **kwargs):
+                if warmup:
+                    return None
+                python = getattr(fn, "fn", fn)
+                grid = grid(kwargs) if callable(grid) else grid
+                grid = tuple(int(n) for n in grid) + (1,) * (3 - len(grid))
+                name = getattr(python, "__name__", "triton")
+                guard = GUARDED[-1] if GUARDED else None
+                recorder.launches.append(Launch(name, inspect.getsource(python), grid, args, kwargs, guard))
+                return None
+
+            cls.run = recorded
+            self._stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+class ProgramOrder:
+    """Runs each interpreted launch's programs in another order than the interpreter's grid loop (which runs them one
+    after the other, in order, where a GPU runs them in any order and at once): `"reverse"`, `"shuffle"` (seeded), or
+    `"alternate"` (launches reversed and shuffled in turn). A kernel whose result depends on the order of its programs
+    (a race across programs, which the interpreter hides) then fails its tests; the tests run every launch this way
+    (`tests/conftest.py`)."""
+
+    ORDERS = ("reverse", "shuffle", "alternate")
+
+    def __init__(self, order: str = "alternate", seed: int = 0) -> None:
+        if order not in self.ORDERS:
+            raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
+        self.order, self.launches = order, 0
+        self._random = np.random.default_rng(seed)
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> ProgramOrder:
+        try:
+            from triton.runtime.interpreter import interpreter_builder as builder
+        except ImportError:
+            return self
+        plain = type(builder)  # (the class's methods: an enclosing `ProgramOrder`'s are replaced, not composed)
+        saved = {name: vars(builder)[name] for name in ("set_grid_dim", "set_grid_idx") if name in vars(builder)}
+        cells: list = []
+        program = self
+
+        def grid_dim(nx, ny, nz):
+            plain.set_grid_dim(builder, nx, ny, nz)
+            order = program.order if program.order != "alternate" else ("reverse", "shuffle")[program.launches % 2]
+            program.launches += 1
+            index = np.arange(nx * ny * nz)[::-1] if order == "reverse" else program._random.permutation(nx * ny * nz)
+            cells[:] = [index.tolist(), 0, (ny, nz)]
+
+        def grid_index(x, y, z):
+            order, at, (ny, nz) = cells
+            cell = order[at]
+            cells[1] = at + 1
+            plain.set_grid_idx(builder, cell // (ny * nz), cell // nz % ny, cell % nz)
+
+        builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_index
+
+        def restore():
+            for name in ("set_grid_dim", "set_grid_idx"):
+                vars(builder).pop(name, None)
+            vars(builder).update(saved)
+
+        self._stack.callback(restore)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+class PerturbedDivision:
+    """Makes the interpreter's floating-point `/` one ulp high (a nonzero result rounded up to the next float), as a
+    GPU's approximate division may leave it, while `tl.math.div_rn` stays correctly rounded: a kernel that promises
+    the reference's bytes and divides with `/` then fails its test. The tests run every launch this way
+    (`tests/conftest.py`); `divisions` counts the perturbed ones."""
+
+    def __init__(self) -> None:
+        self.divisions = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> PerturbedDivision:
+        try:
+            from triton.runtime.interpreter import interpreter_builder as builder
+        except ImportError:
+            return self
+        plain = type(builder).create_fdiv
+        saved = vars(builder).get("create_fdiv")
+        perturbed = self
+
+        def fdiv(lhs, rhs):
+            out = plain(builder, lhs, rhs)
+            if out.data.dtype in (np.float32, np.float64):
+                up = np.nextafter(out.data, np.array(np.inf, out.data.dtype))
+                out.data = np.where(out.data == 0, out.data, up)  # (a relative error: zero stays zero)
+                perturbed.divisions += 1
+            return out
+
+        builder.create_fdiv = fdiv
+
+        def restore():
+            vars(builder).pop("create_fdiv", None)
+            if saved is not None:
+                builder.create_fdiv = saved
+
+        self._stack.callback(restore)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def audit(launch: Launch) -> list[str]:
+    """What a GPU would refuse or get wrong in `launch`, as sentences (none: fine).
+
+    - a grid axis past its limit (`common.GRID_LIMITS`: CUDA's and HIP's 2**31 - 1 on axis 0, 65,535 on axes 1 and 2);
+    - a launch outside a device guard, or a tensor argument on another device than the guard's (Triton launches on
+      the current device: with layers on several GPUs, another GPU's memory);
+    - an offset that may not fit int32 in a kernel whose program ids are not widened to int64 (`common.program`): a
+      tensor argument spanning 2**31 elements or more, or the largest program id of an axis times an integer
+      argument (a stride) reaching 2**31."""
+    from ..kernels.triton.common import GRID_LIMITS
+
+    problems = [
+        f"{launch.kernel}: grid axis {axis} has {n} programs (limit {limit})"
+        for axis, (n, limit) in enumerate(zip(launch.grid, GRID_LIMITS, strict=True))
+        if n > limit
+    ]
+    if launch.device is None:
+        problems.append(f"{launch.kernel}: launched outside a device guard (on torch's current device)")
+    problems += [
+        f"{launch.kernel}: argument {i} is on {arg.device}, the launch on {launch.device}"
+        for i, arg in enumerate(launch.args)
+        if isinstance(arg, torch.Tensor) and launch.device is not None and arg.device != launch.device
+    ]
+    widened = "tl.program_id(" not in launch.source and "tl.num_programs(" not in launch.source
+    if widened:
+        return problems
+    wide = 2**31
+    for i, arg in enumerate(launch.args):
+        if isinstance(arg, torch.Tensor) and arg.dim():
+            extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(arg.shape, arg.stride(), strict=True))
+            if extent >= wide:
+                problems.append(f"{launch.kernel}: argument {i} spans {extent} elements in int32 offsets")
+        elif isinstance(arg, int) and not isinstance(arg, bool):
+            product = max(launch.grid) * abs(arg)
+            if abs(arg) < wide <= product:
+                problems.append(f"{launch.kernel}: program id {max(launch.grid) - 1} times argument {i} ({arg}) wraps")
+    return problems
+
+
 def per_layer(step: dict[int, dict[str, Tally]]) -> dict[int, Tally]:
     """A step's tallies summed over each layer's scopes."""
     out = {}

@@ -10,7 +10,7 @@ codec objects.
 
 The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kernel tested against `reference.py`):
 
-    quantize           cpu/encode.cpp (q3_0 too)   | triton/quantize.py (not with a searched scale, not q3_0)
+    quantize           cpu/encode.cpp (q3_0 too)   | triton/quantize.py (append.py's kernel, a block a row)
     quantize_at        cpu/encode.cpp (rotated too)| triton/append.py (every format: rotate + search + pack)
     undo_rope_into     cpu undo_rope + a copy      | triton/append.py
     add_query_energy   cpu query_energy + an add   | triton/append.py
@@ -199,16 +199,14 @@ def _encodes(fmt: str, dim: int, kinds: tuple = ENCODED_KINDS) -> bool:
 
 
 def quantize(x: torch.Tensor, fmt: str, search_scale: bool = False) -> QuantizedTensor:
-    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU (q3_0 too), the Triton kernel on GPUs
-    (without `search_scale`, not q3_0), the reference otherwise; the same bytes on every path (tested)."""
+    """`reference.quantize` (block formats), dispatched: the C++ kernel on the CPU, the Triton kernel on GPUs (q3_0
+    and searched scales too on both), the reference otherwise; the same bytes on every path (tested)."""
     if not _encodes(fmt, x.shape[-1], CPU_QUANTIZED_KINDS):
         return reference.quantize(x, fmt, search_scale)
     if use_triton(x.device):
-        if not search_scale and _encodes(fmt, x.shape[-1]):
-            from .triton.quantize import quantize as kernel
+        from .triton.quantize import quantize as kernel
 
-            return kernel(x, fmt)
-        return reference.quantize(x, fmt, search_scale)
+        return kernel(x, fmt, search_scale)
     compiled = _cpu_extension(x.device)
     if compiled is not None:
         from .cpu.encode import quantize as kernel

@@ -521,12 +521,8 @@ def long_term_reference(
     device = positions.device
     if means is None or not positions.numel():
         return torch.zeros(batch, heads, positions.numel(), dim, device=device)
+    # A gather from a table whose row 0 is the zero reference: no value is read back to the host (no sync).
     index = (snapshots.counts(positions) - 1).clamp(max=means.shape[2] - 1)
-    first, last = int(index[0]), int(index[-1])
-    if first == last:  # one snapshot for all (a decoded token's group): a broadcast slice
-        if first < 0:
-            return torch.zeros(batch, heads, positions.numel(), dim, device=device)
-        return means[:, :, first : first + 1].float().expand(batch, heads, positions.numel(), dim)
     table = torch.cat([torch.zeros_like(means[:, :, :1]), means], dim=2).float()
     return table.index_select(2, (index + 1).to(table.device))
 
@@ -827,7 +823,8 @@ def snapkv_evicted(
 ) -> torch.Tensor:
     """The slots SnapKV evicts, int64 `[batch, heads, drop]`: the kept tokens in the order of their positions, each
     one's observed weight (`kept_attention`'s observation, or the kernel's `Observation`) max-pooled over `kernel`
-    neighbours in that order, the last `recent` never chosen; the `drop` lowest, the oldest first among equals."""
+    neighbours in that order (a NaN weight pools to NaN, as max_pool1d gives it), the last `recent` never chosen;
+    the `drop` lowest, the oldest first among equals, NaN counted as +inf (after every number)."""
     batch, heads, slots = kept.index.shape
     if isinstance(observed, Observation):
         observed = observed_importance(observed, kept)
@@ -838,6 +835,7 @@ def snapkv_evicted(
     score = torch.nn.functional.max_pool1d(
         weight.reshape(batch * heads, 1, live), kernel, stride=1, padding=kernel // 2
     ).view(batch, heads, live)
+    score = score.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     score[:, :, live - recent :] = float("inf")
     chosen = score.sort(dim=-1, stable=True).indices[..., :drop]
     return order.gather(2, chosen)

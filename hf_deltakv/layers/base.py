@@ -292,8 +292,8 @@ class StreamLayer(CacheLayerMixin):
     def _rope_angles(self, begin: int, end: int) -> RopeAngles:
         """The RoPE of tokens at positions `begin:end` of this layer (angles computed when used, never kept; the
         frequencies on the positions' device)."""
-        ids = self.positions.ids[:, begin:end]
-        return RopeAngles(ids, self.rope.on(ids.device)[0])
+        ids = self.positions.at(self.device)[:, begin:end]
+        return RopeAngles(ids, self.rope.on(self.device)[0])
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (with RoPE, as attention reads them) and values of every visible cached token, as the cache stores
@@ -536,11 +536,41 @@ class PositionLog:
     a token records it, so the cost is paid once per cache, not once per layer. RoPE angles are computed from these
     ids where needed (kernels, references): no table is kept. Ids are appended in place into a buffer with room (as
     `codecs.base.GrowingRows` does), so that recording a token copies nothing most of the time.
+
+    The log lives on the device of the layer that first records; layers on other devices (a model split by
+    `device_map`) read `at(device)`: a copy per device, brought up to date with the positions it lacks (a device-to-
+    device copy of the new ids, once per forward and device, never through the host), its bytes counted as well.
     """
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
+        # device -> (ids, buffer with room): replaced, never changed in place, so a snapshot of the attributes holds
+        self._copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def at(self, device: torch.device) -> torch.Tensor | None:
+        """The ids on `device`: the log itself where it lives, elsewhere its copy there (see the class docstring)."""
+        ids = self.ids
+        if ids is None or ids.device == device:
+            return ids
+        copy, buffer = self._copies.get(device, (None, None))
+        have, total = (0 if copy is None else copy.shape[1]), ids.shape[1]
+        if have == total:
+            return copy
+        if have > total or buffer is None or buffer.shape[1] < total:
+            have = 0 if have > total else have  # (longer than the log: cut since; copied anew)
+            room = ids.shape[1] if self._buffer is None else self._buffer.shape[1]
+            grown = torch.empty(ids.shape[0], max(room, total), dtype=torch.int32, device=device)
+            if have:
+                grown[:, :have].copy_(copy)
+            buffer = grown
+        buffer[:, have:total].copy_(ids[:, have:total])
+        self._copies = {**self._copies, device: (buffer[:, :total], buffer)}
+        return buffer[:, :total]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the log holds: its ids and their copies on other devices."""
+        return [t for t in (self.ids, *(copy for copy, _ in self._copies.values())) if t is not None]
 
     def record(self, start: int, new: int, ids: torch.Tensor, ahead: int = 0) -> None:
         """Record the positions `ids` `[batch, new]` of tokens `start...` (once: later layers find them recorded),
@@ -563,16 +593,17 @@ class PositionLog:
         self.ids = buffer[:, : have + new]
 
     def nbytes(self) -> int:
-        return nbytes_of(self.ids)
+        return nbytes_of(self.tensors())
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.ids is not None:
-            self.ids, self._buffer = fn(self.ids), None
+            self.ids, self._buffer, self._copies = fn(self.ids), None, {}
 
     def truncate(self, tokens: int) -> None:
         """Forget the positions from `tokens` on (a crop); every layer shares this log, so the first one cuts it."""
         if self.ids is not None and self.ids.shape[1] > tokens:
-            self.ids, self._buffer = owned(self.ids[:, :tokens]), None
+            self.ids, self._buffer, self._copies = owned(self.ids[:, :tokens]), None, {}
 
     def reset(self) -> None:
         self.ids = self._buffer = None
+        self._copies = {}

@@ -63,7 +63,7 @@ class CompressedLayer(StreamLayer):
             self.value_codec.ensure_room(ahead)
         turn = None
         if self.rope is not None:  # keys are coded before RoPE: turned back by their positions on the way in
-            turn = (self.positions.ids[:, begin : begin + keys.shape[2]], *self.rope.on(keys.device))
+            turn = (self.positions.at(keys.device)[:, begin : begin + keys.shape[2]], *self.rope.on(keys.device))
         self.key_codec.append_model(keys, turn)
         self.value_codec.append_model(values)
 
@@ -76,7 +76,8 @@ class CompressedLayer(StreamLayer):
             return None
         keys = self.key_codec.decode()
         if self.rope is not None:
-            keys = self.rope.redo(keys, self.positions.ids[:, self._stream_begin() : self.cumulative_length])
+            ids = self.positions.at(self.device)[:, self._stream_begin() : self.cumulative_length]
+            keys = self.rope.redo(keys, ids)
         return keys, self.value_codec.decode()
 
     def _decode_stream_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -139,7 +140,7 @@ class CompressedLayer(StreamLayer):
             end = min(start + CHUNK_TOKENS, self.key_codec.length)
             keys = self.key_codec.decode_range(start, end)
             if self.rope is not None:
-                keys = self.rope.redo(keys, self.positions.ids[:, begin + start : begin + end])
+                keys = self.rope.redo(keys, self.positions.at(self.device)[:, begin + start : begin + end])
             yield keys, self.value_codec.decode_range(start, end)
 
     def _drop_stream_front(self, tokens: int) -> int:

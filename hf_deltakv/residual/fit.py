@@ -31,8 +31,8 @@ def layer_residuals(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residuals `[n, 2 * dim]` of the tokens the cache would code, those tokens centered) of one window."""
     x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)[:, layout.sink_tokens :]
-    split = split_tokens(x, torch.arange(x.shape[1]), layout)
-    target = x[:, ~split.is_reference]
+    split = split_tokens(x, 0, layout)
+    target = x.index_select(1, split.coded_at)
     residual = target - split.bases
     return residual.reshape(-1, x.shape[-1]), (target - target.mean(1, keepdim=True)).reshape(-1, x.shape[-1])
 

@@ -33,7 +33,7 @@ from ..rope import RopeForm
 from .attention import attend_coded, latent_coder
 from .codec import decode_residuals, encode_residuals
 from .compressor import LayerCompressor, ResidualLayout
-from .references import is_reference, load_references, reference_mean, split_tokens
+from .references import load_references, reference_mean, split_positions, split_tokens
 from .tokens import heads_to_tokens, tokens_to_heads
 
 # Decoding codes the tokens leaving the raw window this many at a time: coding one token costs the encoder's fixed
@@ -155,7 +155,7 @@ class ResidualLayer(StreamLayer):
             target, at = self._codes_room(n)
             turn = (None, None, None)
             if self.rope is not None:
-                turn = (self.positions.ids[:, begin : begin + n], *self.rope.on(self.device))
+                turn = (self.positions.at(self.device)[:, begin : begin + n], *self.rope.on(self.device))
             coder = latent_coder(self.compressor, tuple(self.bits))
             raw = (self.window_keys[:, :, :n], self.window_values[:, :, :n])
             kernels.encode_latent_into(*raw, *turn, coder, tuple(self.bits), target, at)
@@ -168,17 +168,16 @@ class ResidualLayer(StreamLayer):
         self.window_values = owned(self.window_values[:, :, n:])
         self._growing_window = None
         if self.rope is not None:
-            keys = kernels.undo_rope(keys, self.positions.ids[:, begin : begin + n], self.rope.freqs, self.rope.order)
+            ids = self.positions.at(self.device)[:, begin : begin + n]
+            keys = kernels.undo_rope(keys, ids, *self.rope.on(self.device))
         x = torch.cat([heads_to_tokens(keys), heads_to_tokens(values)], dim=-1)
-        index = torch.arange(self.compressed, self.compressed + n, device=x.device)
-        split = split_tokens(x, index, self.layout, self.references)
+        split = split_tokens(x, self.compressed, self.layout, self.references)
         if split.stored is not None:
             stored = [q for q in (self.references, split.stored) if q is not None]
             self.references = QuantizedTensor.cat(stored, 1)
-        coded = ~split.is_reference
-        if coded.any():
+        if split.coded_at.numel():
             dim = self.compressor.stream_dim
-            residual = x[:, coded] - split.bases
+            residual = x.index_select(1, split.coded_at) - split.bases
             packed, scales = encode_residuals(self.compressor, self.bits, residual[..., :dim], residual[..., dim:])
             self._append_codes(packed, scales)
             if split.ids is not None:
@@ -197,20 +196,20 @@ class ResidualLayer(StreamLayer):
         if self.compressed:
             dim = self.compressor.stream_dim
             x = torch.empty(self.batch_size, self.compressed, 2 * dim, device=self.device)
-            is_ref = is_reference(torch.arange(self.compressed, device=self.device), self.layout.stride)
+            ref_at, coded_at = split_positions(0, self.compressed, self.layout.stride, self.device)
             if self.references is not None:
                 refs = load_references(self.references)
-                x[:, is_ref] = refs
+                x.index_copy_(1, ref_at, refs.to(x.dtype))
             if self.codes is not None:
                 residual_k, residual_v = decode_residuals(self.compressor, self.bits, self.codes, self.scales)
                 coded = torch.cat([residual_k, residual_v], dim=-1)
                 if self.reference_ids is not None:
                     coded = coded + reference_mean(refs, self.reference_ids.long())
-                x[:, ~is_ref] = coded
+                x.index_copy_(1, coded_at, coded.to(x.dtype))
             keys = tokens_to_heads(x[..., :dim], self.kv_heads)
             if self.rope is not None:
                 begin = self.sink_tokens
-                keys = self.rope.redo(keys, self.positions.ids[:, begin : begin + self.compressed])
+                keys = self.rope.redo(keys, self.positions.at(self.device)[:, begin : begin + self.compressed])
             keys_parts.append(keys)
             value_parts.append(tokens_to_heads(x[..., dim:], self.kv_heads))
         if self.window_keys is not None and self.window_keys.shape[2]:

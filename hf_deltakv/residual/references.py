@@ -80,26 +80,46 @@ def token_bases(
     return ids, reference_mean(refs, ids)
 
 
+def reference_count(start: int, n: int, stride: int) -> int:
+    """How many of the stream indices `start .. start + n - 1` are references (host arithmetic)."""
+    return 0 if stride == 0 or n <= 0 else -(-(start + n) // stride) - -(-start // stride)
+
+
+def split_positions(start: int, n: int, stride: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(references, coded tokens): the positions (int64, in order) among `n` consecutive tokens from stream index
+    `start`, made on `device` from their host-known counts (a stable sort of the reference flags, no `nonzero`: nothing
+    is read back from the device)."""
+    refs = reference_count(start, n, stride)
+    flags = is_reference(torch.arange(start, start + n, device=device), stride)
+    order = torch.argsort(flags.logical_not().to(torch.uint8), stable=True)
+    return order[:refs], order[refs:]
+
+
 @dataclass
 class SplitTokens:
     """Tokens split into references and coded tokens (what the cache, training and fitting all start from)."""
 
     is_reference: torch.Tensor  # bool [n]: which of the tokens are references
+    reference_at: torch.Tensor  # int64 [references]: their positions among the tokens
+    coded_at: torch.Tensor  # int64 [coded]: the coded tokens' positions
     stored: QuantizedTensor | None  # the new references, packed (None: no reference among the tokens)
     ids: torch.Tensor | None  # [batch, coded, top_k]: each coded token's references (None without references)
     bases: torch.Tensor  # [batch, coded, 2 * dim]: what each coded token's residual is taken against
 
 
 def split_tokens(
-    x: torch.Tensor, index: torch.Tensor, layout: ResidualLayout, earlier: QuantizedTensor | None = None
+    x: torch.Tensor, start: int, layout: ResidualLayout, earlier: QuantizedTensor | None = None
 ) -> SplitTokens:
-    """Split tokens `x` `[batch, n, 2 * dim]` at stream indices `index` (consecutive) into references, stored in
+    """Split tokens `x` `[batch, n, 2 * dim]` at stream indices `start .. start + n - 1` into references, stored in
     `layout.reference_format`, and coded tokens with their bases: the mean of their `top_k` nearest causal
-    references among the `earlier` stored ones and the new ones."""
-    is_ref = is_reference(index, layout.stride)
-    stored = store_references(x[:, is_ref].detach(), layout.reference_format) if is_ref.any() else None
+    references among the `earlier` stored ones and the new ones. No value is read back to the host."""
+    n = x.shape[1]
+    index = torch.arange(start, start + n, device=x.device)
+    ref_at, coded_at = split_positions(start, n, layout.stride, x.device)
+    stored = store_references(x.index_select(1, ref_at).detach(), layout.reference_format) if ref_at.numel() else None
     packed = [q for q in (earlier, stored) if q is not None]
     refs = load_references(QuantizedTensor.cat(packed, 1)) if packed else None
     ref_index = torch.arange(0 if refs is None else refs.shape[1], device=x.device) * layout.stride
-    ids, bases = token_bases(x[:, ~is_ref].detach(), index[~is_ref], refs, ref_index, layout.top_k)
-    return SplitTokens(is_ref, stored, ids, bases)
+    coded = x.index_select(1, coded_at).detach()
+    ids, bases = token_bases(coded, index.index_select(0, coded_at), refs, ref_index, layout.top_k)
+    return SplitTokens(is_reference(index, layout.stride), ref_at, coded_at, stored, ids, bases)

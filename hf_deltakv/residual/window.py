@@ -32,7 +32,7 @@ def code_window(
     error = x.new_zeros(())
     if compressed:
         stream = x[:, begin : begin + compressed]
-        split = split_tokens(stream, torch.arange(compressed, device=x.device), layout)
+        split = split_tokens(stream, 0, layout)
         coded = stream.clone()
         if split.stored is not None:
             coded[:, split.is_reference] = load_references(split.stored)

@@ -252,10 +252,11 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
 // [B, H, n, dim] (rows contiguous); codes uint8 [B, H, rows, blocks, bytes], scales (and mins, or empty) fp16
 // [B, H, rows, blocks], each with its blocks contiguous (any strides on the leading dimensions). With `rotation` (a
 // Hadamard block size, 0: none) each row is first rotated as hf_deltakv.kernels.hadamard.rotate rotates it: the same
-// butterflies in the same order, then times `rotation_scale` (handed over from Python, the one definition). Threads
-// take rows.
+// butterflies in the same order on the row clamped to ±rotation_limit (NaN kept), then times `rotation_scale` (both
+// handed over from Python, the one definition: hadamard.ROTATION_LIMIT, hadamard.rotation_scale). Threads take rows.
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
-                      at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale) {
+                      at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale,
+                      double rotation_limit) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1,
               "x must be fp32 [B, H, n, dim] with rows contiguous");
   const int64_t batch = x.size(0), heads = x.size(1), n = x.size(2), dim = x.size(3), n_blocks = dim / bs;
@@ -274,14 +275,15 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
   uint8_t* pc = codes.data_ptr<uint8_t>();
   at::Half* ps = scales.data_ptr<at::Half>();
   at::Half* pm = asym ? mins.data_ptr<at::Half>() : nullptr;
-  const float norm = static_cast<float>(rotation_scale);
+  const float norm = static_cast<float>(rotation_scale), limit = static_cast<float>(rotation_limit);
   at::parallel_for(0, batch * heads * n, 64, [&](int64_t first, int64_t last) {
     std::vector<float> turned(rotation ? dim : 0);
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (heads * n), h = i / n % heads, t = i % n;
       const float* row = px + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
       if (rotation) {
-        std::copy(row, row + dim, turned.begin());
+        for (int64_t c = 0; c < dim; ++c)  // clamped so that the sums stay finite (comparisons are false for NaN)
+          turned[c] = row[c] > limit ? limit : (row[c] < -limit ? -limit : row[c]);
         for (int64_t step = 1; step < rotation; step *= 2)
           for (int64_t base = 0; base < dim; base += 2 * step)
             for (int64_t c = base; c < base + step; ++c) {

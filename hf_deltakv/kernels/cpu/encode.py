@@ -8,7 +8,7 @@ import torch
 from ...quant import QuantizedTensor, get_format
 from ...quant.blocks import SCALE_SEARCH
 from ...quant.table import Kind
-from ..hadamard import rotation_scale
+from ..hadamard import ROTATION_LIMIT, rotation_scale
 
 
 def divisors(fmt: str, search_scale: bool) -> list[float]:
@@ -51,6 +51,7 @@ def quantize_at(
     extension.quantize_rows_at(
         rows, kind, block, divisors(fmt, search_scale), target.codes, target.scales,
         empty if target.mins is None else target.mins, at, rotation, rotation_scale(rotation) if rotation else 1.0,
+        ROTATION_LIMIT,
     )  # fmt: skip
 
 

@@ -17,7 +17,8 @@ void decode_into(py::object layout, at::Tensor out, at::Tensor positions, at::Te
                  double rotation_scale, int64_t span);
 std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors);
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
-                      at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale);
+                      at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale,
+                      double rotation_limit);
 at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at::Tensor order);
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra);

@@ -33,6 +33,9 @@ from .common import (
     butterflies,
     log2_of,
     mask_strides,
+    on_device,
+    program,
+    programs,
     query_halves,
     query_rows,
     query_rows_at,
@@ -149,12 +152,12 @@ def _adaptive_split_kernel(
     WORD: tl.constexpr, V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr,
     MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr, NQ: tl.constexpr,
 ):  # fmt: skip
-    bh, split = tl.program_id(0), tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    bh, split = program(0), program(1)
+    n_splits = programs(1)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
-    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
+    g = program(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
     q_lo, q_hi = query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, c, c + half, g, GROUP, NQ)
     freqs = tl.load(freq_ptr + c) if ROPE else tl.zeros((half,), tl.float64)
     step_cos, step_sin = turned_cos_sin(tl.arange(0, T)[:, None], freqs[None, :])  # of j * freq, a tile's slots j
@@ -196,7 +199,7 @@ def _adaptive_split_kernel(
                 pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smq, smt, g,
                 causal_offset, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK, DOT, NQ,
             )  # fmt: skip
-    out = (bh * n_splits + split) * (tl.num_programs(2) * G_PAD) + g
+    out = (bh * n_splits + split) * (programs(2) * G_PAD) + g
     channel = (c // (V_BLOCK // 2)) * V_BLOCK + c % (V_BLOCK // 2)  # the halves' columns (see _value_halves)
     tl.store(o_ptr + out[:, None] * D + channel[None, :], acc_a)
     tl.store(o_ptr + out[:, None] * D + V_BLOCK // 2 + channel[None, :], acc_b)
@@ -215,11 +218,11 @@ def _adaptive_merge_kernel(
     STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr, STATS: tl.constexpr,
     NQ: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = program(0)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
-    g = tl.program_id(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernels)
-    r_pad = tl.num_programs(1) * G_PAD
+    g = program(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernels)
+    r_pad = programs(1) * G_PAD
     c = tl.arange(0, half)
     e = tl.arange(0, D)
     channel = (c // (V_BLOCK // 2)) * V_BLOCK + c % (V_BLOCK // 2)  # the value halves' columns (_value_halves)
@@ -284,7 +287,7 @@ def _adaptive_merge_kernel(
     tl.store(out_ptr + (bh * GROUP + g[:, None]) * D + e[None, :], out, mask=(g < GROUP)[:, None])
     if STATS:  # the softmax's final max and sum of each row (`layout.Observation`)
         tl.store(stats_ptr + bh * r_pad + g, m_i)
-        tl.store(stats_ptr + (tl.num_programs(0) + bh) * r_pad + g, l_i)
+        tl.store(stats_ptr + (programs(0) + bh) * r_pad + g, l_i)
 
 
 def supports(keys: AdaptiveStream, values: PlainStream, mask: torch.Tensor | None, n_queries: int = 1) -> bool:
@@ -348,7 +351,7 @@ def adaptive_attention(
     if splits:
         word_bytes = keys.group // 8
         plane_strides = [s // word_bytes for s in keys.planes.stride()[:3]]  # in words (a plane is one)
-        _adaptive_split_kernel[(batch * kv_heads, splits, blocks)](
+        on_device(_adaptive_split_kernel)[(batch * kv_heads, splits, blocks)](
             query, keys.planes, keys.bits, keys.low, keys.step, positions, freqs, v_codes, v.scales, v_mins,
             mask_rows, o, m, l_sum,
             kv_heads, n_coded, keys.length, keys.offset, sink_keys.shape[2], per_split, float(scale), causal_offset,
@@ -412,7 +415,7 @@ def merge_splits(
         v_scales, v_mins = v.scales, v.mins if v.mins is not None else v.scales
         v_block, v_bits, v_asym = v.fmt.block_size, v.fmt.bits, v.mins is not None
     out = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device=query.device)
-    _adaptive_merge_kernel[(batch * kv_heads, rows.blocks)](
+    on_device(_adaptive_merge_kernel)[(batch * kv_heads, rows.blocks)](
         query, sink_keys, sink_values, tokens, positions, freqs, v_codes, v_scales, v_mins, mask_rows,
         o, m, l_sum, out, stats if stats is not None else out,
         kv_heads, o.shape[1], sink_keys.shape[2], coded, tokens.shape[2], float(scale), rows.causal_offset,

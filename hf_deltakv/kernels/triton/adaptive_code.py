@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ...quant.bitplanes import MAX_BITS
 from ..reference import CLIP_KEEP, CLIP_LOW, CLIPS, WATER_LEVEL_STEPS
-from .common import EXACT, FP16_MAX, round_half_even
+from .common import EXACT, FP16_MAX, clamp, on_device, program, round_half_even
 
 FLT_MAX = tl.constexpr(float(torch.finfo(torch.float32).max))
 
@@ -65,7 +65,7 @@ def _code_groups_kernel(
     GS: tl.constexpr, D: tl.constexpr, WEIGHTS: tl.constexpr, NCAND: tl.constexpr,
     CLIP_LOW: tl.constexpr, CLIP_KEEP: tl.constexpr, STEPS: tl.constexpr, MOST: tl.constexpr,
 ):  # fmt: skip
-    bh, g = tl.program_id(0), tl.program_id(1)
+    g, bh = program(0), program(1)  # (groups on axis 0: no 65,535 limit)
     b, h = bh // heads, bh % heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, D)
@@ -107,11 +107,11 @@ def _code_groups_kernel(
     best_low = tl.zeros((D,), tl.float32)
     best_step = tl.zeros((D,), tl.float32)
     for i in range(NCAND):  # (a loop, not unrolled: each candidate's tiles live one at a time)
-        lows = tl.minimum(tl.maximum(low + _pick(CLIP_LOW, i // 6) * span, -FP16_MAX), FP16_MAX)
+        lows = clamp(low + _pick(CLIP_LOW, i // 6) * span, -FP16_MAX, FP16_MAX)  # (NaN kept, as torch.clamp keeps it)
         lows = lows.to(tl.float16).to(tl.float32)
         highs = low + span * _pick(CLIP_KEEP, i % 6)
         steps = tl.math.div_rn(highs - lows, top)
-        steps = tl.minimum(tl.maximum(steps, 0.0), FP16_MAX).to(tl.float16).to(tl.float32)
+        steps = clamp(steps, 0.0, FP16_MAX).to(tl.float16).to(tl.float32)
         inverse = tl.where(steps > 0, tl.math.div_rn(1.0, tl.where(steps > 0, steps, 1.0)), 0.0)
         error = _grid_codes(x, lows, inverse, top) * steps[None, :] + lows[None, :] - x
         error = tl.sum(error * error, axis=0)
@@ -160,7 +160,7 @@ def code_groups(
     group = planes.shape[-1] * 8
     w = weights if weights is not None else tail
     count = len(CLIPS) if clip_range else 1
-    _code_groups_kernel[(batch * heads, groups)](
+    on_device(_code_groups_kernel)[(groups, batch * heads)](
         tail, w, planes, depths, low, step,
         heads, pad, total, at,
         *tail.stride(), *w.stride()[:3], *planes.stride()[:3], *depths.stride()[:3], *low.stride()[:3],

@@ -25,7 +25,7 @@ import triton.language as tl
 from ...quant import Kind, QuantizedTensor, check_search_scale, get_format
 from ...quant.blocks import SCALE_SEARCH
 from ..hadamard import rotation_scale
-from .common import EXACT, FP16_MAX, butterflies, log2_of, rope_cos_sin, saturate_fp16
+from .common import EXACT, FP16_MAX, butterflies, log2_of, on_device, program, rope_cos_sin, saturate_fp16
 from .decode_attention import F16, Q3_SYM, Q4_ASYM, Q8, ROW_KINDS
 
 ROWS_MOST = 16  # tokens a program of the append kernels handles (a prefill's; a decoding step has one)
@@ -43,7 +43,7 @@ def _undo_rope_kernel(
     skb, skh, skt, skd, spb, spt, sob, soh, sot,
     D: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    bh, tile = tl.program_id(0), tl.program_id(1)
+    tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)[None, :]
@@ -79,7 +79,7 @@ def undo_rope_into(
     rope = freqs is not None
     pos = positions if rope else keys
     rows = _rows(n)
-    _undo_rope_kernel[(batch * heads, triton.cdiv(n, rows))](
+    on_device(_undo_rope_kernel)[(triton.cdiv(n, rows), batch * heads)](
         keys, pos, freqs if rope else keys, order if order is not None else keys, target,
         heads, at, n,
         *keys.stride(), pos.stride(0), pos.stride(-1), *target.stride()[:3],
@@ -154,7 +154,7 @@ def _quantize_rows_kernel(
     D: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr,
     DIVISORS: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    bh, tile = tl.program_id(0), tl.program_id(1)
+    tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
     t = tile * ROWS + tl.arange(0, ROWS)[:, None]
     x = tl.load(x_ptr + b * sxb + h * sxh + t * sxt + tl.arange(0, D)[None, :] * sxd, mask=t < n, other=0.0)
@@ -232,7 +232,7 @@ def quantize_at(
     mins = target.mins if target.mins is not None else scales
     rows = _rows(n)
     divisors = SCALE_SEARCH[4 if form.kind == Kind.Q3_SYM else 8]
-    _quantize_rows_kernel[(batch * heads, triton.cdiv(n, rows))](
+    on_device(_quantize_rows_kernel)[(triton.cdiv(n, rows), batch * heads)](
         x, codes, scales, mins,
         heads, at, n,
         *x.stride(), *codes.stride()[:3], *scales.stride()[:3],
@@ -266,7 +266,7 @@ def add_query_energy(
     batch, heads, rows, dim = query.shape
     grouped = query.reshape(batch, kv_heads, heads * rows // kv_heads, 1, dim)  # a view for both transformers layouts
     out = torch.empty(batch, kv_heads, 1, dim, dtype=torch.float32, device=query.device)
-    _query_energies_kernel[(batch * kv_heads,)](
+    on_device(_query_energies_kernel)[(batch * kv_heads,)](
         grouped, order if order is not None else grouped, total if total is not None else out, out,
         kv_heads, 1, 0, 1, 1, *grouped.stride(),
         GROUP=grouped.shape[2], D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
@@ -280,7 +280,7 @@ def _query_energies_kernel(
     kv_heads, n, first, group, kept, sqb, sqh, sqg, sqn, sqd,
     GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = program(0)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
@@ -316,7 +316,7 @@ def add_query_energies(
     grouped = query.unflatten(1, (kv_heads, heads // kv_heads))  # [B, kv heads, group, n, D]: a view
     kept = len(group_starts(first, n, group)) + 1
     out = torch.empty(batch, kv_heads, kept, dim, dtype=torch.float32, device=query.device)
-    _query_energies_kernel[(batch * kv_heads,)](
+    on_device(_query_energies_kernel)[(batch * kv_heads,)](
         grouped, order if order is not None else grouped, total if total is not None else out, out,
         kv_heads, n, first, group, kept, *grouped.stride(),
         GROUP=heads // kv_heads, D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,

@@ -12,13 +12,49 @@ import triton.language as tl
 
 from ...quant.blocks import FP16_MAX as FP16_MAX_VALUE
 from ...quant.table import Kind
+from ..hadamard import ROTATION_LIMIT as ROTATION_LIMIT_VALUE
 
 FP16_MAX = tl.constexpr(FP16_MAX_VALUE)
+ROTATION_LIMIT = tl.constexpr(ROTATION_LIMIT_VALUE)
 TILE_KINDS = (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8)  # the block arithmetic every attention kernel decodes values in
 # Launch options of kernels held to a reference's floats: no fused multiply-add where the reference rounds twice.
 EXACT = {"enable_fp_fusion": False}
+# Programs a launch's grid may hold on axes 0, 1 and 2 (CUDA's limits, HIP's the same or larger; the interpreter has
+# none): a long dimension (tokens, groups, bytes) goes on axis 0.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
 ROW_BLOCK = 16  # query rows a program holds when a forward has several queries (a chunk): blocks of rows, grid axis 2
 MAX_QUERIES = 64  # queries per kv head the attention kernels read together (more: a prefill, which decodes the history)
+
+
+# The devices of the launches under way, innermost last (what `on_device` guards; tests read it to check each launch's
+# tensors are on the device it launches on).
+GUARDED: list[torch.device] = []
+
+
+class on_device:
+    """A launch under the device guard of its first tensor argument: Triton launches on torch's *current* device and
+    its current stream, which need not be the tensors' (a model split by `device_map` over several GPUs), so every
+    kernel is launched as `on_device(kernel)[grid](*args)`: on a CUDA (or ROCm) device inside `torch.cuda.device(...)`,
+    elsewhere (the interpreter) as it is."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            GUARDED.append(device)
+            try:
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        return self.kernel[grid](*args, **kwargs)
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                GUARDED.pop()
+
+        return launch
 
 
 @dataclass(frozen=True)
@@ -68,14 +104,37 @@ def log2_of(block: int) -> int:
 
 
 @triton.jit
+def program(axis: tl.constexpr):
+    """`tl.program_id(axis)` widened to int64: every offset computed from it is then summed in int64 (int32 products
+    of program ids and strides wrap once a buffer passes 2**31 elements, e.g. 8 kv heads x 128 at batch 64 from ~33K
+    tokens). Every kernel takes its program ids through this (a test reads the sources)."""
+    return tl.program_id(axis).to(tl.int64)
+
+
+@triton.jit
+def programs(axis: tl.constexpr):
+    """`tl.num_programs(axis)` in int64 (see `program`)."""
+    return tl.num_programs(axis).to(tl.int64)
+
+
+@triton.jit
 def butterflies(x, R: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr):
     """`hadamard.rotate` of rows `x` fp32 `[R, D]`: stages h = 1, 2, ... 2**(STAGES - 1), each pair of channels
-    `(i, i + h)` (bit h of i clear) to `(a + b, a - b)`, then times SCALE (`hadamard.rotation_scale`)."""
+    `(i, i + h)` (bit h of i clear) to `(a + b, a - b)`, then times SCALE (`hadamard.rotation_scale`); the rows are
+    first clamped to ±`hadamard.ROTATION_LIMIT` (NaN kept) so that the sums stay finite."""
+    x = tl.where(x > ROTATION_LIMIT, ROTATION_LIMIT, tl.where(x < -ROTATION_LIMIT, -ROTATION_LIMIT, x))
     for s in tl.static_range(STAGES):
         y = tl.permute(tl.reshape(x, (R, D // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, D))
     return x * SCALE
+
+
+@triton.jit
+def clamp(x, low, high):
+    """`torch.clamp`: min(max(x, low), high) with NaN kept (`tl.minimum` / `tl.maximum` return the number where one
+    side is NaN, on GPUs and in the interpreter alike)."""
+    return tl.where(x != x, x, tl.minimum(tl.maximum(x, low), high))
 
 
 @triton.jit

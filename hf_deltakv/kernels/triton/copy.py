@@ -2,7 +2,7 @@
 buffer copied into its new, larger buffer). Specification: `reference.copy_rows`.
 
 Every copy is `[rows, span]` bytes (a head's stored rows are contiguous past the sequence dimension, so each
-`(batch, head)` is one span), read and written with their own row strides; program `(pair, row, chunk)` copies
+`(batch, head)` is one span), read and written with their own row strides; program `(chunk, row, pair)` copies
 `BLOCK` bytes of one row of one pair.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .common import on_device, program
 
 MAX_PAIRS = 8  # copies per launch
 BLOCK = 1024
@@ -30,7 +32,7 @@ def _copy_rows_kernel(
     b0, b1, b2, b3, b4, b5, b6, b7, r0, r1, r2, r3, r4, r5, r6, r7,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pair, row, start = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK
+    start, row, pair = program(0) * BLOCK, program(1), program(2)
     # (Triton has no arrays of pointers to index by `pair`: eight pairs of arguments, one branch each)
     if pair == 0:
         _copy_one(s0, d0, n0, a0, b0, r0, row, start, BLOCK)
@@ -99,6 +101,6 @@ def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torc
         chunk = spans[first : first + MAX_PAIRS]
         padded = chunk + [chunk[0]] * (MAX_PAIRS - len(chunk))  # unused slots repeat the first (never run)
         sources, targets, sizes, src_strides, dst_strides, rows = zip(*padded, strict=True)
-        grid = (len(chunk), max(rows), triton.cdiv(max(sizes), BLOCK))
-        _copy_rows_kernel[grid](*sources, *targets, *sizes, *src_strides, *dst_strides, *rows, BLOCK=BLOCK)
+        grid = (triton.cdiv(max(sizes), BLOCK), max(rows), len(chunk))  # the long axis first (no 65,535 limit)
+        on_device(_copy_rows_kernel)[grid](*sources, *targets, *sizes, *src_strides, *dst_strides, *rows, BLOCK=BLOCK)
     return left

@@ -28,6 +28,9 @@ from .common import (
     butterflies,
     log2_of,
     mask_strides,
+    on_device,
+    program,
+    programs,
     query_rows,
     query_rows_at,
     query_strides,
@@ -140,7 +143,7 @@ def load_queries(q_ptr, bh, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.cons
 def store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD: tl.constexpr, D: tl.constexpr):
     """One split's running statistics of its block of `G_PAD` query rows (grid axis 2: the blocks, one without it),
     combined afterwards by `combine_splits` or the merge kernel."""
-    out = (bh * n_splits + split) * (tl.num_programs(2) * G_PAD) + tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)
+    out = (bh * n_splits + split) * (programs(2) * G_PAD) + program(2) * G_PAD + tl.arange(0, G_PAD)
     tl.store(o_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc)
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
@@ -177,11 +180,11 @@ def _plain_split_kernel(
     K_SCALE: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr, INDEXED: tl.constexpr, SCORES: tl.constexpr,
     NQ: tl.constexpr,
 ):  # fmt: skip
-    bh, split = tl.program_id(0), tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    bh, split = program(0), program(1)
+    n_splits = programs(1)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
-    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
+    g = program(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
     q = tl.load(query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ) + tl.arange(0, D)[None, :],
                 mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)  # fmt: skip
     if K_STAGES > 0 and not ROPE:  # q . (H s) == (H q) . s: the queries turned once instead of every key
@@ -220,7 +223,7 @@ def _plain_split_kernel(
             seen = visible(valid, column, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
             scores = tl.where(seen, scores, float("-inf"))
         if SCORES:  # each query row's scores, for what SnapKV observes (`Observation`)
-            at = sc_ptr + (bh * (tl.num_programs(2) * G_PAD) + g[:, None]) * length + tok[None, :]
+            at = sc_ptr + (bh * (programs(2) * G_PAD) + g[:, None]) * length + tok[None, :]
             tl.store(at, scores, mask=(tok < end)[None, :])
         v = load_rows(v_codes, v_scales, v_mins, tok, valid, svt, swt, D, V_BS, V_KIND)
         m_i, l_i, acc = fold_tile(scores, v, m_i, l_i, acc)
@@ -341,7 +344,7 @@ def plain_attention(
     positions = rope.positions if rope is not None else query
     freqs = rope.freqs if rope is not None else query
     mask_rows = mask if mask is not None else query
-    _plain_split_kernel[(batch * kv_heads, splits, blocks)](
+    on_device(_plain_split_kernel)[(batch * kv_heads, splits, blocks)](
         query, k_codes, k_scales, k_mins, k_tail, v_codes, v_scales, v_mins, positions, freqs, mask_rows, o, m, l_sum,
         query, query,
         kv_heads, n_tokens, coded, sink_keys.shape[2], per_split, float(scale), 0, causal_offset,

@@ -27,6 +27,9 @@ from .common import (
     butterflies,
     log2_of,
     mask_strides,
+    on_device,
+    program,
+    programs,
     query_rows,
     query_rows_at,
     query_strides,
@@ -56,12 +59,12 @@ def _delta_split_kernel(
     SNAP_0: tl.constexpr, SNAP_1: tl.constexpr, SNAP_2: tl.constexpr, SNAP_LAST: tl.constexpr,
     SNAP_INTERVAL: tl.constexpr,
 ):  # fmt: skip
-    bh, split = tl.program_id(0), tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    bh, split = program(0), program(1)
+    n_splits = programs(1)
     b, h = bh // kv_heads, bh % kv_heads
     e = tl.arange(0, D)
     half: tl.constexpr = D // 2
-    g = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
+    g = program(2) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows: query g % NQ of head g // NQ
     q = tl.load(query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ) + e[None, :], mask=(g < GROUP)[:, None],
                 other=0.0).to(tl.float32)  # fmt: skip
     freqs = tl.load(freq_ptr + tl.arange(0, half)) if ROPE else tl.zeros((half,), tl.float64)
@@ -190,7 +193,7 @@ def delta_attention(
     positions = rope.positions if rope is not None else query
     mask_rows = mask if mask is not None else query
     schedule = keys.snapshots
-    _delta_split_kernel[(batch * kv_heads, splits, rows.blocks)](
+    on_device(_delta_split_kernel)[(batch * kv_heads, splits, rows.blocks)](
         query, keyframes.codes.view(torch.int8), keyframes.scales, d_codes, d_scales, means_rows, positions,
         rope.freqs if rope is not None else query, v_codes, v_scales, v_mins, mask_rows, o, m, l_sum,
         kv_heads, n_groups, means.shape[2] if means is not None else 1, keys.length, groups_per_split,

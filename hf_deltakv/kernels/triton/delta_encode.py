@@ -21,7 +21,7 @@ import triton.language as tl
 from ..hadamard import rotation_scale
 from ..layout import DeltaRows
 from .append import q8_0_blocks
-from .common import EXACT, butterflies, log2_of, rope_cos_sin, saturate_fp16, snapshots_held
+from .common import EXACT, butterflies, log2_of, on_device, program, rope_cos_sin, saturate_fp16, snapshots_held
 from .quantize import q4_0_halves
 
 
@@ -78,7 +78,7 @@ def _delta_encode_kernel(
     HALF: tl.constexpr,
     INTRA: tl.constexpr,
 ):
-    group = tl.program_id(0)  # stream * groups + group: the row layout of x `[S, G, kf, D]`
+    group = program(0)  # stream * groups + group: the row layout of x `[S, G, kf, D]`
     dim = NB * 2 * HALF
     blocks = tl.arange(0, NB)
     cols = tl.arange(0, HALF)
@@ -120,7 +120,7 @@ def delta_encode_groups(
     intra = long_term is not None
     long_term = (long_term if intra else x).contiguous()
     if streams * groups:
-        _delta_encode_kernel[(streams * groups,)](
+        on_device(_delta_encode_kernel)[(streams * groups,)](
             x.contiguous(),
             long_term,
             keyframes.contiguous(),
@@ -131,6 +131,7 @@ def delta_encode_groups(
             NB=nb,
             HALF=block // 2,
             INTRA=intra,
+            **EXACT,
         )
     return codes, scales, recon
 
@@ -146,7 +147,7 @@ def _delta_tokens_kernel(
     SUM: tl.constexpr, DELTAS: tl.constexpr, MEANS: tl.constexpr, SNAP_0: tl.constexpr, SNAP_1: tl.constexpr,
     SNAP_2: tl.constexpr, SNAP_LAST: tl.constexpr, SNAP_INTERVAL: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = program(0)
     b, h = bh // heads, bh % heads
     half: tl.constexpr = D // 2
     nb: tl.constexpr = D // (2 * HALF)
@@ -247,7 +248,7 @@ def delta_tokens(
     means = rows.means if rows.means is not None else x
     long_rows = long_term if long_term is not None else x
     schedule = rows.snapshots
-    _delta_tokens_kernel[(batch * heads,)](
+    on_device(_delta_tokens_kernel)[(batch * heads,)](
         x, positions, freqs, order if order is not None else x, reference_state.contiguous(),
         running_sum.contiguous() if running_sum is not None else ref_out, long_rows, key_codes, keys.scales,
         deltas.codes, deltas.scales, means, ref_out, sum_out,

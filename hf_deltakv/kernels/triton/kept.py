@@ -26,7 +26,7 @@ import triton.language as tl
 from ...quant import get_format
 from ..layout import KeptStream, Observation
 from .adaptive_attention import merge_splits
-from .common import mask_strides, query_rows, query_strides, rows_of, saturate_fp16
+from .common import EXACT, mask_strides, on_device, program, query_rows, query_strides, rows_of, saturate_fp16
 from .decode_attention import _plain_split_kernel, split_tokens, tile_tokens
 
 RANK_TILE = 256  # slots a program of `_snapkv_evict_kernel` ranks at a time
@@ -39,7 +39,7 @@ def _keep_rows_kernel(
     skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, seb, seh, set_, sib, sih, spb, sph,
     D: tl.constexpr, DV: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    bh, tile = tl.program_id(0), tl.program_id(1)
+    tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
     if tile == 0:
         for j in range(pending):
@@ -74,7 +74,7 @@ def keep_rows(
     batch, heads, n, dim = keys.shape
     rows = min(triton.next_power_of_2(max(n, 1)), 16)
     marks = pending if pending is not None else target.index
-    _keep_rows_kernel[(batch * heads, max(triton.cdiv(n, rows), 1))](
+    on_device(_keep_rows_kernel)[(max(triton.cdiv(n, rows), 1), batch * heads)](
         keys, values, target.keys, target.values, target.index, marks,
         heads, at, position, n, 0 if pending is None else pending.shape[2],
         *keys.stride()[:3], *values.stride()[:3], *target.keys.stride()[:3], *target.values.stride()[:3],
@@ -90,7 +90,7 @@ def _compact_kernel(
     skb, skh, skt, svb, svh, svt, sib, sih, spb, sph, sdb, sdh, sdt, seb, seh, set_, sjb, sjh,
     D: tl.constexpr, DV: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = program(0)
     b, h = bh // heads, bh % heads
     e = tl.arange(0, D)[None, :]
     ev = tl.arange(0, DV)[None, :]
@@ -116,7 +116,7 @@ def compact_kept(kept: KeptStream, pending: torch.Tensor | None, target: KeptStr
     """`reference.compact_kept` (see there) in one launch, a program per kv head; rows contiguous (`serves`)."""
     batch, heads, slots, dim = kept.keys.shape
     marks = pending if pending is not None else kept.index
-    _compact_kernel[(batch * heads,)](
+    on_device(_compact_kernel)[(batch * heads,)](
         kept.keys, kept.values, kept.index, marks, target.keys, target.values, target.index,
         heads, kept.first, slots, 0 if pending is None else pending.shape[2],
         *kept.keys.stride()[:3], *kept.values.stride()[:3], *kept.index.stride()[:2], *marks.stride()[:2],
@@ -170,7 +170,7 @@ def kept_attention(
     f16 = get_format("f16")
     k, v = kept.keys, kept.values
     mask_rows = mask if mask is not None else query
-    _plain_split_kernel[(batch * kv_heads, splits, rows.blocks)](
+    on_device(_plain_split_kernel)[(batch * kv_heads, splits, rows.blocks)](
         query, k, k, k, k, v, v, v, query, query, mask_rows, o, m, l_sum,
         kept.index, scores if observe else query,
         kv_heads, slots, slots, 0, per_split, float(scale), first, query_position,
@@ -193,7 +193,7 @@ def _snapkv_evict_kernel(
     ROWS: tl.constexpr, R_PAD: tl.constexpr, RB: tl.constexpr, NQ: tl.constexpr, RADIUS: tl.constexpr,
     TILE: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = program(0)
     b, h = bh // heads, bh % heads
     weight_row, slot_row, pool_row = weight_ptr + bh * live, slot_ptr + bh * live, pool_ptr + bh * live
     count = 0
@@ -211,7 +211,8 @@ def _snapkv_evict_kernel(
             total = tl.where(seen, total, 1.0)
             score = tl.load(sc_ptr + (bh * R_PAD + r[:, None]) * slots + slot[None, :],
                             mask=seen[:, None] & alive[None, :], other=float("-inf"))  # fmt: skip
-            weight += tl.sum(tl.where(seen[:, None], tl.exp(score - safe[:, None]) / total[:, None], 0.0), axis=0)
+            share = tl.math.div_rn(tl.exp(score - safe[:, None]), tl.broadcast_to(total[:, None], score.shape))
+            weight += tl.sum(tl.where(seen[:, None], share, 0.0), axis=0)
         rank = count + tl.cumsum(alive.to(tl.int32), axis=0) - 1
         tl.store(weight_row + rank, weight, mask=alive)
         tl.store(slot_row + rank, slot.to(tl.int64), mask=alive)
@@ -223,24 +224,26 @@ def _snapkv_evict_kernel(
         pooled = tl.full((TILE,), float("-inf"), tl.float32)
         for j in tl.static_range(2 * RADIUS + 1):
             near = rank + j - RADIUS
-            pooled = tl.maximum(pooled, tl.load(weight_row + near, mask=ok & (near >= 0) & (near < live),
-                                                other=float("-inf")))  # fmt: skip
-        tl.store(pool_row + rank, pooled, mask=ok)
+            near_w = tl.load(weight_row + near, mask=ok & (near >= 0) & (near < live), other=float("-inf"))
+            # (NaN pooled as max_pool1d pools it: `tl.maximum` alone would return the number)
+            pooled = tl.where((near_w != near_w) | (pooled != pooled), float("nan"), tl.maximum(pooled, near_w))
+        tl.store(pool_row + rank, tl.where(pooled != pooled, float("inf"), pooled), mask=ok)  # NaN: after every number
     tl.debug_barrier()
-    for k in range(drop):  # the lowest, the lowest rank (oldest) among equals; then out of the running
+    for k in range(drop):  # the lowest, the lowest rank (oldest) among equals; then out of the running (NaN)
         best = float("inf")
         best_rank = candidates
         for r0 in range(0, candidates, TILE):
             rank = r0 + tl.arange(0, TILE)
             ok = rank < candidates
-            pooled = tl.load(pool_row + rank, mask=ok, other=float("inf"))
-            low = tl.min(pooled, axis=0)
-            at = tl.min(tl.where(ok & (pooled == low), rank, candidates), axis=0)
+            pooled = tl.load(pool_row + rank, mask=ok, other=float("nan"))
+            running = pooled == pooled
+            low = tl.min(tl.where(running, pooled, float("inf")), axis=0)
+            at = tl.min(tl.where(running & (pooled == low), rank, candidates), axis=0)
             take = (low < best) | ((low == best) & (at < best_rank))
             best_rank = tl.where(take, at, best_rank)
             best = tl.where(take, low, best)
         tl.store(out_ptr + bh * drop + k, tl.load(slot_row + best_rank))
-        tl.store(pool_row + best_rank, float("inf"))
+        tl.store(pool_row + best_rank, float("nan"))
         tl.debug_barrier()
 
 
@@ -254,10 +257,10 @@ def snapkv_evicted(kept: KeptStream, observed: Observation, drop: int, recent: i
     pooled = torch.empty(batch * heads, live, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads, drop, dtype=torch.int64, device=device)
     padded = observed.scores.shape[1]
-    _snapkv_evict_kernel[(batch * heads,)](
+    on_device(_snapkv_evict_kernel)[(batch * heads,)](
         observed.scores, observed.maximum, observed.total, kept.index, weight, slot, pooled, out,
         heads, kept.first, slots, live, live - recent, drop, observed.observe_from, *kept.index.stride()[:2],
         ROWS=observed.rows, R_PAD=padded, RB=min(padded, 16), NQ=observed.n_queries, RADIUS=kernel // 2,
-        TILE=RANK_TILE,
+        TILE=RANK_TILE, **EXACT,
     )  # fmt: skip
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ...quant.bitpack import GROUP
+from .common import EXACT, on_device, program
 
 
 @triton.jit
@@ -31,8 +32,8 @@ def _dequantize_latent_kernel(
     n_groups,
     GROUP_SIZE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    group = tl.program_id(1)
+    row = program(0)
+    group = program(1)
     bits = tl.load(bits_ptr + group)
     offset = tl.load(offsets_ptr + group)
     scale_index = tl.load(scale_index_ptr + group)
@@ -73,8 +74,8 @@ def dequantize_latent(packed: torch.Tensor, scales: torch.Tensor, bits: list[int
     out = torch.empty(rows.shape[0], len(bits) * GROUP, dtype=torch.float32, device=device)
     if rows.shape[0]:
         grid = (rows.shape[0], len(bits))
-        _dequantize_latent_kernel[grid](
-            rows, scale_rows, *table, out, rows.shape[-1], scale_rows.shape[-1], len(bits), GROUP_SIZE=GROUP
+        on_device(_dequantize_latent_kernel)[grid](
+            rows, scale_rows, *table, out, rows.shape[-1], scale_rows.shape[-1], len(bits), GROUP_SIZE=GROUP, **EXACT
         )
     return out.reshape(*lead, len(bits) * GROUP)
 

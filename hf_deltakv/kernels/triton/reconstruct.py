@@ -19,7 +19,7 @@ from ...quant.bitplanes import MAX_BITS
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, PlainStream, RopeAngles
 from .adaptive_attention import WORDS, _plane_codes
-from .common import EXACT, butterflies, log2_of, saturate_fp16, to_dtype, turned_cos_sin
+from .common import EXACT, butterflies, log2_of, on_device, program, saturate_fp16, to_dtype, turned_cos_sin
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _adaptive_keys_kernel(
     D: tl.constexpr, GS: tl.constexpr, WORD: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr,
     SATURATE: tl.constexpr, MOST: tl.constexpr,
 ):  # fmt: skip
-    bh, unit = tl.program_id(0), tl.program_id(1)
+    unit, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
@@ -87,7 +87,7 @@ def _plain_values_kernel(
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, ASYM: tl.constexpr, T: tl.constexpr,
     STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, SATURATE: tl.constexpr,
 ):  # fmt: skip
-    bh, tile = tl.program_id(0), tl.program_id(1)
+    tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
     token = tile * T + tl.arange(0, T)
     valid = token < length
@@ -140,7 +140,7 @@ def decode_into(stream, out: torch.Tensor, rope: RopeAngles | None = None, order
         q = stream.blocks
         codes = q.codes.view(torch.int8) if q.fmt.bits == 8 else q.codes
         tile = 16
-        _plain_values_kernel[(batch * heads, triton.cdiv(stream.length, tile))](
+        on_device(_plain_values_kernel)[(triton.cdiv(stream.length, tile), batch * heads)](
             codes, q.scales, q.mins if q.mins is not None else q.scales, out,
             heads, stream.length, *codes.stride()[:3], *q.scales.stride()[:3], *out.stride()[:3],
             D=stream.dim, BS=q.fmt.block_size, BITS=q.fmt.bits, ASYM=q.mins is not None, T=tile,
@@ -159,7 +159,7 @@ def decode_into(stream, out: torch.Tensor, rope: RopeAngles | None = None, order
     plane_strides = [s // word_bytes for s in planes.stride()[:3]] if n_coded else [0, 0, 0]
     others = [t.stride()[:3] for t in ((stream.bits, stream.low, stream.step) if n_coded else (tail, tail, tail))]
     positions = rope.positions if rope is not None else tail
-    _adaptive_keys_kernel[(batch * heads, units)](
+    on_device(_adaptive_keys_kernel)[(units, batch * heads)](
         planes, stream.bits if n_coded else tail, stream.low if n_coded else tail, stream.step if n_coded else tail,
         tail, positions, rope.freqs if rope is not None else tail, order if order is not None else tail, out,
         heads, n_coded, coded, tail.shape[2], stream.offset,

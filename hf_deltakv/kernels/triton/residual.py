@@ -31,6 +31,9 @@ from .common import (
     EXACT,
     FP16_MAX,
     mask_strides,
+    on_device,
+    program,
+    programs,
     query_rows,
     query_rows_at,
     query_strides,
@@ -75,7 +78,7 @@ def _raw_rows_kernel(
     skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, seb, seh, set_,
     D: tl.constexpr, DV: tl.constexpr, ROWS: tl.constexpr, SATURATE: tl.constexpr,
 ):  # fmt: skip
-    bh, tile = tl.program_id(0), tl.program_id(1)
+    tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
     t = tile * ROWS + tl.arange(0, ROWS)[:, None]
     live = t < n
@@ -104,7 +107,7 @@ def write_raw(keys: torch.Tensor, values: torch.Tensor, key_target: torch.Tensor
     """New tokens `[batch, heads, n, dim]` into rows `at...` of the targets (in their dtype: fp16 saturating)."""
     batch, heads, n, dim = keys.shape
     rows = min(triton.next_power_of_2(max(n, 1)), 16)
-    _raw_rows_kernel[(batch * heads, max(triton.cdiv(n, rows), 1))](
+    on_device(_raw_rows_kernel)[(max(triton.cdiv(n, rows), 1), batch * heads)](
         keys, values, key_target, value_target, heads, at, n,
         *keys.stride()[:3], *values.stride()[:3], *key_target.stride()[:3], *value_target.stride()[:3],
         D=dim, DV=values.shape[-1], ROWS=rows, SATURATE=key_target.dtype == torch.float16,
@@ -151,7 +154,7 @@ def _encode_kernel(
     WIDTH: tl.constexpr, D: tl.constexpr, SC: tl.constexpr, ROWS: tl.constexpr, DEPTHS: tl.constexpr,
     STARTS: tl.constexpr, STREAMS: tl.constexpr, FIRSTS: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr,
 ):  # fmt: skip
-    pid, group = tl.program_id(0), tl.program_id(1)
+    pid, group = program(0), program(1)
     b, tile = pid // tiles, pid % tiles
     t = tile * ROWS + tl.arange(0, ROWS)
     live = t < n
@@ -212,7 +215,7 @@ def encode_latent_into(
     tiles = triton.cdiv(n, ENCODE_ROWS)
     rope = freqs is not None
     pos = positions if rope else keys
-    _encode_kernel[(batch * tiles, len(depths))](
+    on_device(_encode_kernel)[(batch * tiles, len(depths))](
         keys, values, pos, freqs if rope else keys, order if order is not None else keys, coder.key_mean,
         coder.value_mean, coder.key_encoder, coder.value_encoder, target.codes, target.scales,
         n, tiles, at, coder.key_encoder.shape[1], coder.value_encoder.shape[1],
@@ -285,13 +288,13 @@ def _latent_split_kernel(
     NQ: tl.constexpr,
 ):  # fmt: skip
     LV: tl.constexpr = NV_PAD * LATENT
-    pid, split = tl.program_id(0), tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    pid, split = program(0), program(1)
+    n_splits = programs(1)
     b, h0 = pid // (heads // HP), (pid % (heads // HP)) * HP  # the program's kv heads: h0...h0 + HP
     half: tl.constexpr = D // 2
     # this block's query rows over the program's heads: row r is row g = r % GROUP_Q (query g % NQ of query head
     # g // NQ) of kv head h0 + r // GROUP_Q
-    r = tl.program_id(2) * G_PAD + tl.arange(0, G_PAD)
+    r = program(2) * G_PAD + tl.arange(0, G_PAD)
     mine, g = r // GROUP_Q, r % GROUP_Q
     live = r < HP * GROUP_Q
     # the program's heads side by side: column x is channel pair c = x % half of head h0 + x // half
@@ -400,10 +403,10 @@ def _latent_merge_kernel(
     sqb, sqh, sqg, sqi, skb, skh, skt, svb, svh, svt, swb, swh, swt, sub, suh, sut, smb, smq, smt,
     GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, NQ: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = program(0)
     b, h = bh // heads, bh % heads
-    g = tl.program_id(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernel)
-    r_pad = tl.num_programs(1) * G_PAD
+    g = program(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernel)
+    r_pad = programs(1) * G_PAD
     e = tl.arange(0, D)
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
@@ -503,7 +506,7 @@ def latent_stream_attention(
     if splits:
         depths, starts, streams, firsts = groups_of(stream.bits)
         positions = rope.positions if rope is not None else query
-        _latent_split_kernel[(batch * heads // together, splits, split_blocks)](
+        on_device(_latent_split_kernel)[(batch * heads // together, splits, split_blocks)](
             query, stream.codes, stream.scales, coder.key_decoder, coder.key_mean, coder.value_decoder,
             coder.value_mean, positions, rope.freqs if rope is not None else query,
             order if order is not None else query, mask_rows, o, m, l_sum,
@@ -516,7 +519,7 @@ def latent_stream_attention(
             num_warps=4 if dim * together < 128 else 8,
         )  # fmt: skip
     out = torch.empty(batch, heads, group, dim, dtype=torch.float32, device=device)
-    _latent_merge_kernel[(batch * heads, rows.blocks)](
+    on_device(_latent_merge_kernel)[(batch * heads, rows.blocks)](
         query, o, m, l_sum, sink_keys, sink_values, window_keys, window_values, mask_rows, out,
         heads, splits, sink_keys.shape[2], window_keys.shape[2], window_column, float(scale), causal_offset,
         *strides, *sink_keys.stride()[:3], *sink_values.stride()[:3], *window_keys.stride()[:3],

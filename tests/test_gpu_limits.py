@@ -1,0 +1,264 @@
+"""What the Triton interpreter cannot see, held by tests on the CPU: grids past a GPU's limits and int32 offsets that
+wrap (a recorder drives the launchers on `meta` tensors at batch 64 x 1M tokens), and every kernel taking its program
+ids widened to int64."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_deltakv import DeltaKVCache
+from hf_deltakv.eval.gpu_path import LaunchRecorder, audit
+from hf_deltakv.registry import CACHES, build_cache
+
+TRITON = Path(__file__).parents[1] / "hf_deltakv" / "kernels" / "triton"
+KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B's kv heads
+# every cache of ours but the residual one (its coder is made from the checkpoint's weights on the tensors' device:
+# not on `meta`; its kernels take their program ids widened like every other's)
+SPECS = [name for name in CACHES if name not in ("dynamic", "residual") and not name.startswith("hf-")]
+SPECS.append("delta-token")
+_MODEL = []
+
+
+def wide_model():
+    """A one-layer Llama with 8 kv heads of 128 (32 query heads) and a 2M-token RoPE range, tiny elsewhere."""
+    if not _MODEL:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=32, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             max_position_embeddings=1 << 21)  # fmt: skip
+        torch.manual_seed(0)
+        _MODEL.append(AutoModelForCausalLM.from_config(config).eval())
+    return _MODEL[0]
+
+
+def make(spec: str):
+    model = wide_model()
+    if spec == "delta-token":
+        return DeltaKVCache(kf=32, keys="token", model=model)
+    return build_cache(spec, model)
+
+
+def record(spec: str, batch: int, tokens: int) -> list:
+    """Every launch of a prefill of `tokens`, a decoding step, a chunk of 8 and an attention of 65 queries (a chunk the
+    kernels leave to the decoded history) on `meta` tensors, recorded on the GPU path."""
+    cache = make(spec)
+    with LaunchRecorder() as recorder, torch.no_grad():
+        for n in (tokens, 1, 8):
+            states = torch.empty(batch, KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
+            cache.update(states, states, 0)
+            query = torch.empty(batch, 4 * KV_HEADS, n if n < 64 else 1, HEAD_DIM, dtype=torch.float16, device="meta")
+            cache.layers[0].attend(query, None, HEAD_DIM**-0.5)
+    return recorder.launches
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize(("batch", "tokens"), [(64, 1 << 20), (8, 1 << 18), (1, 1 << 17)])
+def test_no_launch_passes_a_gpu_limit(spec, batch, tokens, monkeypatch):
+    """The recorder's audit at batch 64 x 1M tokens (8 kv heads x 128): no grid axis above its limit, no int32 offset
+    that can wrap, for every cache's prefill, decoding step and chunk on the GPU path."""
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    launches = record(spec, batch, tokens)
+    assert launches, spec
+    problems = [problem for launch in launches for problem in audit(launch)]
+    assert not problems, problems
+
+
+def test_every_kernel_widens_its_program_ids():
+    """Program ids reach the kernels as int64 through `common.program` / `common.programs` only: an int32 id times a
+    stride wraps once a buffer passes 2**31 elements, which the interpreter (numpy int64 ids) never shows."""
+    for path in sorted(TRITON.glob("*.py")):
+        text = path.read_text()
+        if path.name == "common.py":
+            text = re.sub(r"def programs?\(axis: tl.constexpr\):.*?return [^\n]*\n", "", text, flags=re.S)
+        assert not re.search(r"tl\.(program_id|num_programs)\(", text), path.name
+
+
+def test_the_audit_finds_what_a_gpu_refuses():
+    """The audit is not blind: a grid past axis 1's limit and an unwidened kernel over a buffer of 2**31 elements are
+    reported."""
+    from hf_deltakv.eval.gpu_path import Launch
+
+    big = torch.empty(64, 8, 1 << 20, 128, dtype=torch.float16, device="meta")
+    source = "def k(x, n):\n    pid = tl.program_id(0)\n"
+    meta = big.device
+    found = audit(Launch("k", source, (512, 65536, 1), (big, 128), {}, meta))
+    assert any("grid axis 1" in p for p in found) and any("spans" in p for p in found), found
+    assert any("wraps" in p for p in audit(Launch("k", source, (1 << 20, 1, 1), (big[:1, :1], 4096), {}, meta)))
+    widened = source.replace("tl.program_id", "program")
+    assert not audit(Launch("k", widened, (512, 64, 1), (big, 128), {}, meta))
+    assert any("outside a device guard" in p for p in audit(Launch("k", widened, (512, 64, 1), (big, 128), {})))
+    elsewhere = audit(Launch("k", widened, (1, 1, 1), (big, torch.zeros(2)), {}, meta))
+    assert elsewhere == ["k: argument 1 is on cpu, the launch on meta"], elsewhere
+
+
+def _decoding_syncs(model, cache, steps: int, monkeypatch, scoped=()) -> Counter:
+    """Host-device syncs (`LaunchCounter`'s detector: values read back, data-dependent sizes, host copies) of `steps`
+    greedy decoding steps of `model` on the GPU path after a prefill and one uncounted step (constants are made on a
+    device once, on first use): in the cache's updates and attention calls and in the `scoped` methods (`(class,
+    name)` pairs), not in the model's own code."""
+    from hf_deltakv.eval.gpu_path import LaunchCounter
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    counter, total = LaunchCounter(cache), Counter()
+    for cls, name in scoped:
+        method = getattr(cls, name)
+
+        def counted(*args, _method=method, **kwargs):
+            with counter.scope(-1, "scoped"):
+                return _method(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    with torch.no_grad():
+        token = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        with counter:
+            for _ in range(steps):
+                with counter.step():
+                    token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    for step in counter.steps:
+        for parts in step.values():
+            for tally in parts.values():
+                total.update(tally.syncs)
+    return total
+
+
+@pytest.mark.parametrize("options", [dict(threshold=0.3), dict(sparsity=0.3)], ids=["bounded", "calibrated"])
+def test_weight_skip_decodes_without_a_host_sync(options, monkeypatch):
+    """Weight skip's decoding step on the Triton path reads nothing back: the kept channels are listed by a sort
+    (not `nonzero`) and counted on the device, where the skip statistics are summed."""
+    from transformers import DynamicCache
+
+    from hf_deltakv import enable_weight_skip
+    from hf_deltakv.weight_skip import _SkippingGroup
+
+    from .conftest import tiny_model
+
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    model = tiny_model()
+    if "sparsity" in options:
+        options = {**options, "calibration": torch.randint(0, model.config.vocab_size, (2, 32))}
+    with enable_weight_skip(model, **options) as handle:
+        syncs = _decoding_syncs(model, DynamicCache(), 1, monkeypatch, scoped=[(_SkippingGroup, "_compute")])
+        stats = handle.stats()["total"]
+    assert stats["calls"] > 0 and 0 < stats["skipped_fraction"] < 1, stats
+    assert not syncs, syncs
+
+
+def test_the_residual_cache_with_references_decodes_without_a_host_sync(monkeypatch):
+    """The residual cache's layout with references (every `stride`-th token) splits the tokens leaving its window by
+    positions made from host-known counts: no `any()`, no boolean-mask indexing in a decoding step."""
+    from hf_deltakv import ResidualKVCache
+    from hf_deltakv.residual import layer
+
+    from .conftest import tiny_compressor, tiny_model
+
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    monkeypatch.setattr(layer, "CODE_BATCH", 1)  # every decoding step codes the token leaving the window
+    model = tiny_model()
+    cache = ResidualKVCache(model=model, compressor=tiny_compressor(model), stride=4, sink_tokens=4, window=8)
+    syncs = _decoding_syncs(model, cache, 2, monkeypatch)
+    assert cache.layers[0].compressed == 40 + 3 - 4 - 8 and cache.layers[0].references is not None
+    assert not syncs, syncs
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_layers_on_two_devices_launch_on_their_own(spec, monkeypatch):
+    """A model split by `device_map` (layer 0 on one device, layer 1 on another: here `cpu` and `meta`, the launches
+    recorded, none run): every launch runs under the device guard of its layer's device and reads tensors on it only,
+    the shared position log included (`PositionLog.at`)."""
+    from .conftest import tiny_model
+
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    model = tiny_model()
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    cache = DeltaKVCache(kf=8, keys="token", model=model) if spec == "delta-token" else build_cache(spec, model)
+    devices = (torch.device("cpu"), torch.device("meta"))
+    with LaunchRecorder() as recorder, torch.no_grad():
+        for start, n in ((0, 40), (40, 1), (41, 8)):
+            ids = torch.arange(start, start + n)[None].expand(2, n)
+            for layer, device in enumerate(devices):
+                states = torch.zeros(2, heads, n, dim, device=device)
+                cache.update(states, states, layer, position_ids=ids.to(device))
+                query = torch.zeros(2, config.num_attention_heads, n, dim, device=device)
+                cache.layers[layer].attend(query, None, dim**-0.5)
+    on = {device: [launch for launch in recorder.launches if launch.device == device] for device in devices}
+    assert on[devices[0]] and on[devices[1]], spec
+    problems = [problem for launch in recorder.launches for problem in audit(launch)]
+    assert not problems, problems
+
+
+def test_total_nbytes_all_reduces_on_the_backends_device(monkeypatch):
+    """Under NCCL (tensor parallelism on GPUs) the all-reduce of `total_nbytes` takes a tensor on the rank's GPU, not a
+    CPU tensor NCCL cannot read; under gloo a CPU one."""
+    import torch.distributed as dist
+
+    from hf_deltakv import cache as cache_module
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for backend, device in (("nccl", torch.device("cuda", 1)), ("cpu:gloo,cuda:nccl", torch.device("cuda", 1)),
+                            ("gloo", torch.device("cpu"))):  # fmt: skip
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
+        assert cache_module.collective_device() == device, backend
+    reduced = []
+    monkeypatch.setattr(cache_module, "collective_device", lambda group=None: torch.device("meta"))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None: reduced.append(tensor.device))
+
+    class Held:
+        def nbytes(self):
+            return 7
+
+    with pytest.raises(RuntimeError, match="meta"):  # a meta tensor's value cannot be read: the reduction was on `meta`
+        cache_module.total_nbytes(Held())
+    assert reduced == [torch.device("meta")]
+
+
+def test_the_tests_run_programs_out_of_order():
+    """The interpreter's programs run reversed or shuffled in every test (`conftest.interpreter_like_a_gpu`): a kernel
+    whose programs race for one element (the last to write wins) shows it."""
+    import triton
+    import triton.language as tl
+
+    from hf_deltakv.eval.gpu_path import ProgramOrder
+
+    @triton.jit
+    def last_writer(out_ptr):
+        tl.store(out_ptr, tl.program_id(0))
+
+    out = torch.zeros(1, dtype=torch.int32)
+    for order, last in (("reverse", 0), ("shuffle", int(np.random.default_rng(2).permutation(64)[-1]))):
+        with ProgramOrder(order, seed=2) as programs:
+            last_writer[(64,)](out)
+        assert programs.launches == 1 and int(out) == last != 63, (order, int(out))
+    last_writer[(64,)](out)  # this test's own order (the first launch of a test: reversed), not the grid's
+    assert int(out) == 0
+
+
+def test_the_tests_divide_as_a_gpu_may():
+    """Every test's interpreted `/` is one ulp off (`conftest.interpreter_like_a_gpu`), `tl.math.div_rn` exact: a
+    kernel promising the reference's bytes must divide with `div_rn`."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def divide(x_ptr, y_ptr, plain_ptr, exact_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x, y = tl.load(x_ptr + i), tl.load(y_ptr + i)
+        tl.store(plain_ptr + i, x / y)
+        tl.store(exact_ptr + i, tl.math.div_rn(x, y))
+
+    x, y = torch.rand(16) + 0.5, torch.rand(16) + 0.5
+    plain, exact = torch.empty(16), torch.empty(16)
+    divide[(1,)](x, y, plain, exact, N=16)
+    assert torch.equal(exact, x / y)
+    assert torch.equal(plain, torch.nextafter(x / y, torch.tensor(float("inf"))))
