@@ -1,5 +1,6 @@
 """Decode attention on a GPU: fp16 SDPA over a full-precision cache against our kernels reading packed codes, and
-end-to-end decoding.
+end-to-end decoding, after the first-contact checks of issue 62 (`first_contact`: batch 64 x 32K, a model split
+over two GPUs).
 
 For each model shape (`--shapes`: 1B = 32 query heads on 8 kv heads of 64, 8B = 32 on 8 of 128, batch 1) and context
 length: one decoding step's attention, latency by CUDA events (median of `--iters`), the bytes it reads and their
@@ -14,6 +15,8 @@ not its content; a real prefill at 128K would take minutes), then `--new` greedy
 benchmarks/results/gpu_decode.json with the device's name.
 
     python benchmarks/gpu_decode.py --e2e                          # ~5 min on one H200 (untimed so far)
+    TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B --e2e \
+        --e2e-contexts 64 --e2e-caches dynamic,delta --new 2 --first-contact 3,48 --out /tmp/gpu_decode.json  # smoke
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B   # smoke
 """
 
@@ -198,16 +201,8 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
     """Decode tokens/s of a random-weight Llama of `shape` (bf16) whose every layer's history holds `context`
     random tokens, for each cache of `--e2e-caches` (registry names; `residual` with a compressor of the shape's
     size, identity weights, 4 bits a latent group: its cost is its shape's, not its weights')."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     cfg = SHAPES[shape]
-    config = LlamaConfig(vocab_size=32000, hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["q_heads"],
-                         num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
-                         max_position_embeddings=max(context * 2, 8192))  # fmt: skip
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model, config = _model(cfg, context, args.device)
     speeds, errors = {}, {}
     for name in args.e2e_caches.split(","):
         try:
@@ -225,30 +220,7 @@ def end_to_end(shape: str, context: int, args: argparse.Namespace) -> dict:
 
 def _decode_speed(name: str, model, config, cfg: dict, context: int, args: argparse.Namespace) -> float:
     """Tokens/s of `--new` greedy steps of `model` over a history of `context` random tokens in cache `name`."""
-    from transformers import DynamicCache
-
-    from hf_deltakv.registry import build_cache
-
-    dtype = next(model.parameters()).dtype
-    if name == "dynamic":
-        cache = DynamicCache(config=config)
-    elif name == "residual":
-        cache = _residual_cache(model, cfg)
-    else:
-        cache = build_cache(name, model)
-    g = torch.Generator(device=args.device).manual_seed(0)
-    positions = torch.arange(context, device=args.device)[None]
-    for layer in range(cfg["layers"]):  # the history, a layer at a time (its cost is its size)
-        shape_kv = (1, cfg["kv_heads"], context, cfg["head_dim"])
-        keys = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
-        values = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
-        cache.update(keys, values, layer, position_ids=positions)
-        stored = cache.layers[layer]
-        flush = getattr(getattr(stored, "key_codec", None), "flush", None)
-        if flush is not None:
-            flush()  # (a prefill's attention would have coded the groups)
-        if hasattr(stored, "read_done"):
-            stored.read_done()  # (what a prefill's attention leaves: eviction, a sliding window)
+    cache = _filled(_cache(name, model, config, cfg), cfg, context, 1, args)
     token = torch.tensor([[11]], device=args.device)
     model(token, cache=cache, use_cache=True)  # warm-up (kernel compilation)
     _sync(args.device)
@@ -257,6 +229,122 @@ def _decode_speed(name: str, model, config, cfg: dict, context: int, args: argpa
         token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     _sync(args.device)
     return args.new / (time.perf_counter() - start)
+
+
+FIRST_CONTACT_CACHES = ("delta", "q8_0", "streaming-llm", "delta:keys=token")  # every kernel family once
+
+
+@torch.no_grad()
+def first_contact(args: argparse.Namespace) -> dict:
+    """What the CPU tests can only simulate (issue 62), on the GPU in about a minute:
+
+    - batch 64 x 32K tokens on 8 kv heads of 128 (two layers of the 8B shape): buffers past 2**31 elements, where
+      int32 offsets would wrap. Per cache of `FIRST_CONTACT_CACHES`: 8 decoding steps' tokens/s, and the last
+      sequence's first-step logits against the same sequence decoded alone (batch 1, the same history);
+    - with two GPUs or more, a model split by a `device_map` (half of its layers on each): the default cache's
+      logits over 8 greedy steps against the same model on one GPU (every launch must run on its layer's device)."""
+    cfg = {**SHAPES["8B"], "layers": 2}
+    batch, context = (int(n) for n in args.first_contact.split(","))
+    model, config = _model(cfg, context, args.device)
+    checks = {}
+    for name in FIRST_CONTACT_CACHES:
+        try:
+            wide = _filled(_cache(name, model, config, cfg), cfg, context, batch, args)
+            token = torch.full((batch, 1), 11, device=args.device)
+            last = model(token, cache=wide, use_cache=True).logits[-1, -1].float()
+            _sync(args.device)
+            start = time.perf_counter()
+            for _ in range(8):
+                token = model(token, cache=wide, use_cache=True).logits[:, -1:].argmax(-1)
+            _sync(args.device)
+            speed = 8 * batch / (time.perf_counter() - start)
+            del wide
+            alone = _filled(_cache(name, model, config, cfg), cfg, context, batch, args, row=batch - 1)
+            single = model(torch.full((1, 1), 11, device=args.device), cache=alone, use_cache=True).logits[0, -1]
+            error = ((single.float() - last).abs().max() / last.abs().max()).item()
+            checks[name] = {"tokens_per_s": speed, "last_row_vs_alone": error, "finite": bool(last.isfinite().all())}
+            del alone
+        except Exception as error:  # recorded: the other caches still run
+            checks[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        print(f"first contact, batch {batch} x {context}, {name}: {checks[name]}", flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    del model
+    return {"batch": batch, "context": context, "caches": checks, "two_devices": _two_devices(args)}
+
+
+def _two_devices(args: argparse.Namespace) -> dict:
+    """The default cache on a model whose layers sit on two GPUs, against the same weights on one."""
+    count = torch.cuda.device_count() if args.device == "cuda" else 0
+    if count < 2:
+        return {"skipped": f"needs two GPUs, found {count}"}
+    from accelerate import dispatch_model
+
+    from hf_deltakv import DeltaKVCache
+
+    cfg = {**SHAPES["1B"], "layers": 4}
+    model, _ = _model(cfg, 8192, "cuda:0")
+    ids = torch.randint(0, 32000, (2, 300), generator=torch.Generator().manual_seed(0)).to("cuda:0")
+    one = model.generate(ids, cache=DeltaKVCache(kf=32, model=model), max_new_tokens=8, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0, "model.layers.2": 1,
+             "model.layers.3": 1, "model.norm": 1, "model.rotary_emb": 0, "lm_head": 1}  # fmt: skip
+    model = dispatch_model(model, device_map=split)
+    two = model.generate(ids, cache=DeltaKVCache(kf=32, model=model), max_new_tokens=8, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    pairs = zip(one.logits, two.logits, strict=True)
+    difference = max((a.float().cpu() - b.float().cpu()).abs().max().item() for a, b in pairs)
+    return {"devices": 2, "same_tokens": torch.equal(one.sequences.cpu(), two.sequences.cpu()),
+            "max_logit_difference": difference}  # fmt: skip
+
+
+def _model(cfg: dict, context: int, device: str):
+    """A random-weight Llama of shape `cfg` (bf16 on CUDA, fp32 elsewhere) and its config."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["q_heads"],
+                         num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                         max_position_embeddings=max(context * 2, 8192))  # fmt: skip
+    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), config
+
+
+def _cache(name: str, model, config, cfg: dict):
+    """A new cache of registry spec `name` (`dynamic`: DynamicCache; `residual`: `_residual_cache`)."""
+    from transformers import DynamicCache
+
+    from hf_deltakv.registry import build_cache
+
+    if name == "dynamic":
+        return DynamicCache(config=config)
+    return _residual_cache(model, cfg) if name == "residual" else build_cache(name, model)
+
+
+def _filled(cache, cfg: dict, context: int, batch: int, args, row: int | None = None):
+    """`cache` with every layer holding `context` random tokens of `batch` sequences (`row`: only that sequence of
+    them, as batch 1: the same keys and values); the history is what a prefill's attention leaves (groups coded,
+    eviction done)."""
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    positions = torch.arange(context, device=args.device)[None].expand(batch if row is None else 1, context)
+    for layer in range(cfg["layers"]):
+        g = torch.Generator(device=args.device).manual_seed(layer)
+        shape_kv = (batch, cfg["kv_heads"], context, cfg["head_dim"])
+        keys = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
+        values = torch.randn(shape_kv, generator=g, device=args.device, dtype=dtype)
+        if row is not None:
+            keys, values = keys[row : row + 1].clone(), values[row : row + 1].clone()
+        cache.update(keys, values, layer, position_ids=positions)
+        del keys, values
+        stored = cache.layers[layer]
+        flush = getattr(getattr(stored, "key_codec", None), "flush", None)
+        if flush is not None:
+            flush()
+        if hasattr(stored, "read_done"):
+            stored.read_done()
+    return cache
 
 
 def _residual_cache(model, cfg: dict):
@@ -297,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-contexts", default="8192,131072")
     parser.add_argument("--new", type=int, default=16, help="decoded tokens timed end to end")
     parser.add_argument("--e2e-caches", default=E2E_CACHES, help="registry specs timed end to end (and 'residual')")
+    parser.add_argument("--first-contact", default="64,32768", help="batch,context of --e2e's first check")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     predicted = predicted_rows()
@@ -310,13 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     shapes = args.shapes.split(",")
-    rows, e2e = [], []
+    rows, e2e, first = [], [], {}
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
 
     def write() -> None:  # after every row: a lease that ends early still leaves what was measured
         result = {"config": {**vars(args), "device_name": device_name, "host": machine(), "versions": _versions(),
                              "seconds": round(time.perf_counter() - started)},
-                  "rows": rows, "end_to_end": e2e, "predicted": predicted}  # fmt: skip
+                  "rows": rows, "end_to_end": e2e, "first_contact": first, "predicted": predicted}  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
     for shape in shapes:
@@ -339,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
               f"| {a['max_error_vs_reference']:.1e} / {p['max_error_vs_reference']:.1e} / "
               f"{t['max_error_vs_reference']:.1e} |")  # fmt: skip
     if args.e2e:
+        first.update(first_contact(args))  # the checks a lent GPU runs first (issue 62): batch 64 x 32K, two GPUs
+        write()
         for c in args.e2e_contexts.split(","):  # every shape at the shortest context first
             for shape in shapes:
                 e2e.append(end_to_end(shape, int(c), args))

@@ -1,6 +1,15 @@
-"""What the Triton interpreter cannot see, held by tests on the CPU: grids past a GPU's limits and int32 offsets that
-wrap (a recorder drives the launchers on `meta` tensors at batch 64 x 1M tokens), and every kernel taking its program
-ids widened to int64."""
+"""What the Triton interpreter cannot see (issue 62), held by tests on the CPU:
+
+- grids past a GPU's limits and int32 offsets that wrap: a recorder drives the launchers on `meta` tensors at batch
+  64 x 1M tokens (8 kv heads x 128) and audits every launch; every kernel takes its program ids widened to int64;
+- several GPUs: layers on two devices launch under their own device's guard and read tensors on it only (the position
+  log kept per device); `total_nbytes`' all-reduce on the backend's device;
+- host syncs: weight skip's and the residual cache's (with references) decoding steps read nothing back;
+- JIT compiles: a 300-step generation of chunks 1-64 compiles each kernel a bounded number of times;
+- misaligned words: bit planes off word boundaries are not sent to the kernels that read them as words;
+- the tests' interpreter itself (conftest): programs run reversed or shuffled, `/` one ulp off.
+
+NaN and infinities against the references are in the kernels' own test files."""
 
 from __future__ import annotations
 
@@ -262,3 +271,49 @@ def test_the_tests_divide_as_a_gpu_may():
     divide[(1,)](x, y, plain, exact, N=16)
     assert torch.equal(exact, x / y)
     assert torch.equal(plain, torch.nextafter(x / y, torch.tensor(float("inf"))))
+
+
+# JIT compiles per kernel a 300-step generation may cause (`compile_keys` for an H100): lengths, positions, chunk
+# sizes and query rows are runtime values (`do_not_specialize`), so what still varies is bounded: G_PAD and the tiles'
+# row counts (powers of two), one query or several, formats, and whether a growing buffer's outer strides and the
+# position log's offset are multiples of 16 (alignment the loads are vectorized on). Measured: at most 21 (the
+# token-delta attention's split), 3-5 for most; before, chunk sizes were constexprs (up to 130).
+COMPILES = 24
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_generation_compiles_each_kernel_a_bounded_number_of_times(spec, monkeypatch):
+    """A simulated generation of 300 steps (decoding steps and chunks of 2-64 tokens, as chunked prefill and assisted
+    decoding feed them) compiles each kernel at most `COMPILES` times for an H100."""
+    from hf_deltakv.eval.gpu_path import compile_keys
+
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
+    cache = make(spec)
+    sizes = [20] + [1 if i % 3 else i % 64 + 1 for i in range(300)]
+    with LaunchRecorder() as recorder, torch.no_grad():
+        for n in sizes:
+            states = torch.empty(1, KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
+            cache.update(states, states, 0)
+            query = torch.empty(1, 4 * KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
+            cache.layers[0].attend(query, None, HEAD_DIM**-0.5)
+    compiles = {kernel: len(keys) for kernel, keys in compile_keys(recorder.launches).items()}
+    assert compiles and max(compiles.values()) <= COMPILES, compiles
+
+
+def test_planes_off_word_boundaries_are_left_to_the_reference():
+    """The adaptive kernels read a group's bit planes as words of group / 8 bytes; planes in an offset view (a
+    misaligned address on a GPU, which the interpreter reads anyway) are not sent to them."""
+    import dataclasses
+
+    from hf_deltakv.kernels.triton import adaptive_attention, reconstruct
+
+    from .test_kernels_adaptive_triton import _streams
+
+    keys, values = _streams(1, 2, 70, 32, 32, 4, "q4_0", True, torch.Generator().manual_seed(0))
+    planes = keys.planes
+    shifted = torch.empty(planes.numel() + 1, dtype=torch.uint8)[1:].view(planes.shape)
+    shifted.copy_(planes)
+    moved = dataclasses.replace(keys, planes=shifted)
+    out = torch.empty(1, 2, 70, 32)
+    assert adaptive_attention.supports(keys, values, None) and reconstruct.serves(keys, out)
+    assert not adaptive_attention.supports(moved, values, None) and not reconstruct.serves(moved, out)

@@ -27,7 +27,7 @@ def test_every_triton_kernel_compiles_for_every_gpu_target(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     kernels = {row["kernel"] for row in rows}
-    assert kernels == {"quantize_4bit_kernel", "quantize_q8_0_kernel", "plain_split_kernel",
+    assert kernels == {"plain_split_kernel",
                        "delta_split_kernel", "delta_tokens_kernel", "delta_encode_kernel", "dequantize_latent_kernel",
                        "sparse_matvec_kernel", "adaptive_split_kernel", "adaptive_merge_kernel", "undo_rope_kernel",
                        "quantize_rows_kernel", "code_groups_kernel", "copy_rows_kernel",

@@ -325,6 +325,7 @@ class Launch:
     args: tuple
     kwargs: dict
     device: torch.device | None = None
+    function: object = None  # the launched `JITFunction` (or the interpreter's `InterpretedFunction`)
 
 
 class LaunchRecorder:
@@ -362,7 +363,7 @@ class LaunchRecorder:
                 grid = tuple(int(n) for n in grid) + (1,) * (3 - len(grid))
                 name = getattr(python, "__name__", "triton")
                 guard = GUARDED[-1] if GUARDED else None
-                recorder.launches.append(Launch(name, inspect.getsource(python), grid, args, kwargs, guard))
+                recorder.launches.append(Launch(name, inspect.getsource(python), grid, args, kwargs, guard, fn))
                 return None
 
             cls.run = recorded
@@ -465,6 +466,32 @@ class PerturbedDivision:
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+
+def compile_keys(launches: list[Launch], target: tuple = ("cuda", 90, 32)) -> dict[str, set]:
+    """Per kernel, the distinct keys Triton's launcher would compile `launches` under for `target` (an NVIDIA H100 by
+    default; no GPU needed): each key is one JIT compile during a run (integer arguments specialize on being 1 or a
+    multiple of 16, pointers on 16-byte alignment, constexprs on their values, unless `do_not_specialize`)."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(GPUTarget(*target))
+    binders, keys = {}, defaultdict(set)
+    extra = {
+        "debug": False,
+        "instrumentation_mode": knobs.compilation.instrumentation_mode,
+        "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts,
+    }  # fmt: skip (as `JITFunction.run`)
+    for launch in launches:
+        function = launch.function
+        if id(function) not in binders:
+            jitted = function if isinstance(function, JITFunction) else JITFunction(function.fn, **function.kwargs)
+            binders[id(function)] = create_function_from_signature(jitted.signature, jitted.params, backend)
+        _, specialization, options = binders[id(function)](*launch.args, **{**extra, **launch.kwargs})
+        keys[launch.kernel].add(repr((specialization, options)))
+    return dict(keys)
 
 
 def audit(launch: Launch) -> list[str]:

@@ -114,11 +114,11 @@ def _attend(
     q_lo, q_hi, k_lo, k_hi, token, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
     pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smq, smt, g, causal_offset,
     T: tl.constexpr, D: tl.constexpr, V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr,
-    ROPE: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, NQ: tl.constexpr,
+    ROPE: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, NQ, ONE: tl.constexpr,
 ):  # fmt: skip
     """A tile's keys (`[T, D/2]` halves, canonical, before RoPE) scored by query rows `g` and folded with its values;
     `step_cos`, `step_sin`: of `j * freq` for the tile's slots j."""
-    if MASK and NQ == 1:
+    if MASK and ONE:
         seen = tl.load(mask_ptr + b * smb + (sinks + token) * smt, mask=valid, other=0)
         valid = valid & (seen != 0)
     if ROPE:
@@ -132,7 +132,7 @@ def _attend(
             cos, sin = turned_cos_sin(pos[:, None], freqs[None, :])
         k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
     scores = _product(q_lo, tl.trans(k_lo), DOT) + _product(q_hi, tl.trans(k_hi), DOT)
-    if NQ == 1:
+    if ONE:
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))
     else:  # several queries (a chunk): each row's mask row, or its causal limit
         seen = visible(valid, sinks + token, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
@@ -141,16 +141,16 @@ def _attend(
     return _fold(scores, v_a, v_b, m_i, l_i, acc_a, acc_b, DOT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_coded", "length", "units_per_split", "causal_offset", "GROUP", "NQ"))
 def _adaptive_split_kernel(
     q_ptr, planes_ptr, depths_ptr, low_ptr, step_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr,
     o_ptr, m_ptr, l_ptr,
     kv_heads, n_coded, length, pad, sinks, units_per_split, scale, causal_offset,
     sqb, sqh, sqg, sqi, spb, sph, spg, sdb, sdh, sdg, slb, slh, slg, ssb, ssh, ssg, sxb, sxt, svb, svh, swb, swh, smb,
     smq, smt,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
+    GROUP, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     WORD: tl.constexpr, V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr,
-    MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr, NQ: tl.constexpr,
+    MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr, NQ, ONE: tl.constexpr,
 ):  # fmt: skip
     bh, split = program(0), program(1)
     n_splits = programs(1)
@@ -197,7 +197,7 @@ def _adaptive_split_kernel(
             m_i, l_i, acc_a, acc_b = _attend(
                 q_lo, q_hi, k_lo, k_hi, token, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
                 pos_ptr, mask_ptr, head_codes, head_scales, head_mins, sinks, scale, sxb, sxt, smb, smq, smt, g,
-                causal_offset, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK, DOT, NQ,
+                causal_offset, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK, DOT, NQ, ONE,
             )  # fmt: skip
     out = (bh * n_splits + split) * (programs(2) * G_PAD) + g
     channel = (c // (V_BLOCK // 2)) * V_BLOCK + c % (V_BLOCK // 2)  # the halves' columns (see _value_halves)
@@ -207,16 +207,16 @@ def _adaptive_split_kernel(
     tl.store(l_ptr + out, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_splits", "coded", "tail_tokens", "causal_offset", "GROUP", "NQ"))
 def _adaptive_merge_kernel(
     q_ptr, sk_ptr, sv_ptr, tail_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
     out_ptr, stats_ptr,
     kv_heads, n_splits, sinks, coded, tail_tokens, scale, causal_offset,
     sqb, sqh, sqg, sqi, skb, skh, skt, svb, svh, svt, stb, sth, stt, sxb, sxt, scb, sch, swb, swh, smb, smq, smt,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
+    GROUP, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
     STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr, STATS: tl.constexpr,
-    NQ: tl.constexpr,
+    NQ, ONE: tl.constexpr,
 ):  # fmt: skip
     bh = program(0)
     b, h = bh // kv_heads, bh % kv_heads
@@ -257,7 +257,7 @@ def _adaptive_merge_kernel(
                 q_lo, q_hi, k_lo, k_hi, coded + slot, valid, m_i, l_i, acc_a, acc_b, b, freqs, step_cos, step_sin,
                 pos_ptr, mask_ptr, vc_ptr + b * scb + h * sch, vs_ptr + b * swb + h * swh, vm_ptr + b * swb + h * swh,
                 sinks, scale, sxb, sxt, smb, smq, smt, g, causal_offset, T, D, V_BLOCK, V_BITS, V_ASYM, ROPE, MASK,
-                DOT, NQ,
+                DOT, NQ, ONE,
             )  # fmt: skip
     # the halves back in channel order: [G, blocks, half block] pairs joined, then the values' rotation undone
     nb: tl.constexpr = D // V_BLOCK
@@ -271,7 +271,7 @@ def _adaptive_merge_kernel(
         key = tl.load(sk_ptr + b * skb + h * skh + j * skt + e).to(tl.float32)
         value = tl.load(sv_ptr + b * svb + h * svh + j * svt + e).to(tl.float32)
         score = tl.sum(q * key[None, :], axis=1) * scale
-        if NQ > 1:  # each query row's mask row, or its causal limit (sink j is column j)
+        if not ONE:  # each query row's mask row, or its causal limit (sink j is column j)
             column = tl.full((1,), j, tl.int32)
             seen = visible(column == column, column, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
             score = tl.where(tl.reshape(seen, (G_PAD,)), score, float("-inf"))
@@ -290,13 +290,22 @@ def _adaptive_merge_kernel(
         tl.store(stats_ptr + (programs(0) + bh) * r_pad + g, l_i)
 
 
+def words_aligned(planes: torch.Tensor | None, group: int) -> bool:
+    """Whether bit planes `uint8 [B, H, rows, total, group / 8]` can be read as words of `group / 8` bytes (what the
+    kernels do): the storage and every stride on word boundaries (an offset view would be a misaligned address on a
+    GPU, where the interpreter reads any address)."""
+    word = group // 8
+    return planes is None or (planes.data_ptr() % word == 0 and all(s % word == 0 for s in planes.stride()[:-1]))
+
+
 def supports(keys: AdaptiveStream, values: PlainStream, mask: torch.Tensor | None, n_queries: int = 1) -> bool:
     """Adaptive keys and plain block-quantized values (q4_0, q4_1, q8_0 families) of one power-of-two width, groups
-    of 8-64 tokens, the rows of their storage contiguous past the sequence dimension; a mask of a row per query."""
+    of 8-64 tokens, the rows of their storage contiguous past the sequence dimension and the planes on word boundaries
+    (`words_aligned`); a mask of a row per query."""
     dim, fmt = keys.dim, values.blocks.fmt
     if dim != values.dim or dim < 16 or dim & (dim - 1) or fmt.kind not in TILE_KINDS or dim % fmt.block_size:
         return False
-    if keys.group not in WORDS or not rows_of(mask, n_queries):
+    if keys.group not in WORDS or not rows_of(mask, n_queries) or not words_aligned(keys.planes, keys.group):
         return False
     stored = [keys.tail, values.blocks.codes, values.blocks.scales]
     if keys.planes is not None:
@@ -360,7 +369,7 @@ def adaptive_attention(
             v.scales.stride(0), v.scales.stride(1), *mask_strides(mask),
             GROUP=group, G_PAD=g_pad, D=dim, GS=keys.group, T=tile, WORD=WORDS[keys.group], V_BLOCK=v.fmt.block_size,
             V_BITS=v.fmt.bits, V_ASYM=v.mins is not None, ROPE=rope is not None, MASK=mask is not None,
-            MOST=MAX_BITS, DOT=dot, NQ=n_queries, num_warps=4 if dim < 128 else 8,
+            MOST=MAX_BITS, DOT=dot, NQ=n_queries, ONE=n_queries == 1, num_warps=4 if dim < 128 else 8,
         )  # fmt: skip
     tail = Tail(keys.tail, coded, positions, freqs, v, keys.group, tile, rope is not None)
     return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, rows, tail, dot)
@@ -425,6 +434,6 @@ def merge_splits(
         GROUP=group, G_PAD=rows.block, D=dim, GS=gs, T=tile, V_BLOCK=v_block, V_BITS=v_bits, V_ASYM=v_asym,
         ROPE=rope, MASK=mask is not None, STAGES=log2_of(rotation),
         ROT_SCALE=rotation_scale(rotation) if rotation else 1.0, DOT=dot, TAIL=tokens.shape[2] > 0,
-        STATS=stats is not None, NQ=rows.n_queries, num_warps=4 if dim < 256 else 8,
+        STATS=stats is not None, NQ=rows.n_queries, ONE=rows.n_queries == 1, num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out

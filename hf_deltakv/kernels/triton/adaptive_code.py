@@ -57,7 +57,7 @@ def _grid_codes(x, low, inverse, top):
     return tl.minimum(tl.maximum(codes, 0.0), top[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("pad", "at"))
 def _code_groups_kernel(
     tail_ptr, w_ptr, planes_ptr, depths_ptr, low_ptr, step_ptr,
     heads, pad, total, at,

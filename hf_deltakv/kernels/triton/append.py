@@ -36,7 +36,7 @@ def _rows(n: int) -> int:
     return min(triton.next_power_of_2(n), ROWS_MOST)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("at", "n"))
 def _undo_rope_kernel(
     k_ptr, pos_ptr, freq_ptr, order_ptr, out_ptr,
     heads, at, n,
@@ -146,7 +146,7 @@ def _finite_floor(scaled):
     return tl.where((scaled == scaled) & (tl.abs(scaled) != float("inf")), tl.floor(scaled), 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("at", "n"))
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr,
     heads, at, n,
@@ -274,7 +274,7 @@ def add_query_energy(
     return out[:, :, 0]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "first", "kept"))
 def _query_energies_kernel(
     q_ptr, order_ptr, total_ptr, out_ptr,
     kv_heads, n, first, group, kept, sqb, sqh, sqg, sqn, sqd,

@@ -213,14 +213,14 @@ def to_dtype(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ: tl.constexpr):
+def query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ):
     """Pointers `[len(g), 1]` to query rows `g` of kv head `h`: row `g` is query `g % NQ` of the kv head's query head
     `g // NQ` (`query_strides`)."""
     return q_ptr + b * sqb + h * sqh + ((g // NQ) * sqg + (g % NQ) * sqi)[:, None]
 
 
 @triton.jit
-def query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, lo_at, hi_at, g, GROUP: tl.constexpr, NQ: tl.constexpr):
+def query_halves(q_ptr, b, h, sqb, sqh, sqg, sqi, lo_at, hi_at, g, GROUP, NQ):
     """fp32 `[len(g), D/2]` pair halves of query rows `g` of kv head `h` (of its `GROUP` rows: rows past them read
     zeros), channels `lo_at` and `hi_at` of each row (`c` and `c + D/2`, or a canonical order's)."""
     rows = query_rows_at(q_ptr, b, h, g, sqb, sqh, sqg, sqi, NQ)

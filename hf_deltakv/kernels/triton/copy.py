@@ -25,7 +25,7 @@ def _copy_one(src, dst, span, ss, ds, rows, row, start, BLOCK: tl.constexpr):
     tl.store(dst + row * ds + at, tl.load(src + row * ss + at, mask=keep), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=tuple(f"{kind}{i}" for kind in "nabr" for i in range(8)))
 def _copy_rows_kernel(
     s0, s1, s2, s3, s4, s5, s6, s7, d0, d1, d2, d3, d4, d5, d6, d7,
     n0, n1, n2, n3, n4, n5, n6, n7, a0, a1, a2, a3, a4, a5, a6, a7,

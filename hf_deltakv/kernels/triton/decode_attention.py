@@ -131,7 +131,7 @@ def _load_tile(
 
 
 @triton.jit
-def load_queries(q_ptr, bh, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+def load_queries(q_ptr, bh, GROUP, G_PAD: tl.constexpr, D: tl.constexpr):
     """The `[G_PAD, D]` fp32 queries of the query heads sharing kv head `bh` (rows past GROUP are zeros)."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
@@ -168,17 +168,17 @@ def combine_splits(o: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor):
     return (o * weight[..., None]).sum(1), top.squeeze(1), (l_sum * weight).sum(1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("length", "coded", "tokens_per_split", "first", "causal_offset", "GROUP", "NQ"))
 def _plain_split_kernel(
     q_ptr, kc_ptr, ks_ptr, km_ptr, kt_ptr, vc_ptr, vs_ptr, vm_ptr, pos_ptr, freq_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
     idx_ptr, sc_ptr,
     kv_heads, length, coded, sinks, tokens_per_split, scale, first, causal_offset,
     sqb, sqh, sqg, sqi, skb, skh, skt, skd, ssb, ssh, sst, ssd, stb, sth, stt, svb, svh, svt, swb, swh, swt, sxb,
     sxt, smb, smq, smt, sib, sih,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, K_KIND: tl.constexpr,
+    GROUP, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr, K_KIND: tl.constexpr,
     K_BS: tl.constexpr, K_CHANNEL: tl.constexpr, V_KIND: tl.constexpr, V_BS: tl.constexpr, K_STAGES: tl.constexpr,
     K_SCALE: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr, INDEXED: tl.constexpr, SCORES: tl.constexpr,
-    NQ: tl.constexpr,
+    NQ, ONE: tl.constexpr,
 ):  # fmt: skip
     bh, split = program(0), program(1)
     n_splits = programs(1)
@@ -205,7 +205,7 @@ def _plain_split_kernel(
             valid = valid & (column >= 0)
         else:
             column = sinks + tok
-        if MASK and NQ == 1:
+        if MASK and ONE:
             valid = valid & (tl.load(mask_ptr + b * smb + column * smt, mask=valid, other=0) != 0)
         if K_CHANNEL:  # KIVI-style: per-channel blocks of K_BS tokens (a tile lies in one group), then the fp16 tail
             k = load_channel_rows(k_codes, k_scales, k_mins, kt_ptr + b * stb + h * sth, tok, valid, coded, skt, skd,
@@ -217,7 +217,7 @@ def _plain_split_kernel(
                 k = butterflies(k, T, D, K_STAGES, K_SCALE)
             k = turn_rows(k, tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0), freqs, T, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, T]
-        if NQ == 1:
+        if ONE:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         else:  # several queries (a chunk): each row's mask row, or its causal limit
             seen = visible(valid, column, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
@@ -353,6 +353,7 @@ def plain_attention(
         GROUP=group, G_PAD=g_pad, D=dim, T=tile, K_KIND=k_kind, K_BS=k_block, K_CHANNEL=channel,
         V_KIND=int(v.fmt.kind), V_BS=v.fmt.block_size, K_STAGES=log2_of(keys.rotation),
         K_SCALE=rotation_scale(keys.rotation) if keys.rotation else 1.0, ROPE=rope is not None,
-        MASK=mask is not None, INDEXED=False, SCORES=False, NQ=n_queries, num_warps=4 if dim < 128 else 8,
+        MASK=mask is not None, INDEXED=False, SCORES=False, NQ=n_queries, ONE=n_queries == 1,
+        num_warps=4 if dim < 128 else 8,
     )  # fmt: skip
     return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, rows)

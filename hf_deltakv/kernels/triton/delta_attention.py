@@ -46,14 +46,14 @@ def _restart_or_add(a_value, a_reset, b_value, b_reset):
     return tl.where(b_reset != 0, b_value, a_value + b_value), a_reset | b_reset
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_groups", "n_snapshots", "length", "groups_per_split", "causal_offset", "GROUP", "NQ"))
 def _delta_split_kernel(
     q_ptr, kfc_ptr, kfs_ptr, dc_ptr, ds_ptr, mean_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr,
     o_ptr, m_ptr, l_ptr,
     kv_heads, n_groups, n_snapshots, length, groups_per_split, sinks, scale, causal_offset,
     sqb, sqh, sqg, sqi, sfb, sfh, sfg, sgb, sgh, sgg, sdb, sdh, sdt, seb, seh, set_, snb, snh, sns, sxb, sxt,
     svb, svh, svt, swb, swh, swt, smb, smq, smt,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr, KF: tl.constexpr, T: tl.constexpr,
+    GROUP, G_PAD: tl.constexpr, NQ, ONE: tl.constexpr, D: tl.constexpr, KF: tl.constexpr, T: tl.constexpr,
     BS: tl.constexpr, V_BS: tl.constexpr, V_KIND: tl.constexpr, INTRA: tl.constexpr, HAS_MEAN: tl.constexpr,
     STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
     SNAP_0: tl.constexpr, SNAP_1: tl.constexpr, SNAP_2: tl.constexpr, SNAP_LAST: tl.constexpr,
@@ -116,7 +116,7 @@ def _delta_split_kernel(
         if ROPE:  # stored before RoPE: turned by each token's position
             k = turn_rows(k, tl.load(pos_ptr + b * sxb + tok * sxt, mask=valid, other=0), freqs, T, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-        if NQ == 1:
+        if ONE:
             if MASK:
                 valid = valid & (tl.load(mask_ptr + b * smb + (sinks + tok) * smt, mask=valid, other=0) != 0)
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -201,7 +201,7 @@ def delta_attention(
         *strides, *keyframes.codes.stride()[:3], *keyframes.scales.stride()[:3], *d_codes.stride()[:3],
         *d_scales.stride()[:3], *means_rows.stride()[:3], positions.stride(0), positions.stride(-1),
         *v_codes.stride()[:3], *v_scales.stride()[:3], *mask_strides(mask),
-        GROUP=group, G_PAD=rows.block, NQ=n_queries, D=dim, KF=keys.kf, T=tile_tokens(dim),
+        GROUP=group, G_PAD=rows.block, NQ=n_queries, ONE=n_queries == 1, D=dim, KF=keys.kf, T=tile_tokens(dim),
         BS=deltas.fmt.block_size if deltas is not None else 16, V_BS=v.fmt.block_size, V_KIND=int(v.fmt.kind),
         INTRA=keys.intra, HAS_MEAN=means is not None, STAGES=log2_of(keys.rotation),
         ROT_SCALE=rotation_scale(keys.rotation) if keys.rotation else 1.0, ROPE=rope is not None,

@@ -136,7 +136,7 @@ def delta_encode_groups(
     return codes, scales, recon
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "start", "key_at", "delta_at", "mean_at"))
 def _delta_tokens_kernel(
     x_ptr, pos_ptr, freq_ptr, order_ptr, ref_ptr, sum_ptr, long_ptr, kc_ptr, ks_ptr, dc_ptr, ds_ptr, mean_ptr,
     ref_out, sum_out,

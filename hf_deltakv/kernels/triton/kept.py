@@ -32,7 +32,7 @@ from .decode_attention import _plain_split_kernel, split_tokens, tile_tokens
 RANK_TILE = 256  # slots a program of `_snapkv_evict_kernel` ranks at a time
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("at", "position", "n"))
 def _keep_rows_kernel(
     k_ptr, v_ptr, kd_ptr, vd_ptr, idx_ptr, pend_ptr,
     heads, at, position, n, pending,
@@ -83,7 +83,7 @@ def keep_rows(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("first", "slots"))
 def _compact_kernel(
     k_ptr, v_ptr, idx_ptr, pend_ptr, kd_ptr, vd_ptr, id_ptr,
     heads, first, slots, pending,
@@ -178,7 +178,7 @@ def kept_attention(
         *kept.index.stride()[:2],
         GROUP=group, G_PAD=rows.block, D=dim, T=tile, K_KIND=int(f16.kind), K_BS=1, K_CHANNEL=False,
         V_KIND=int(f16.kind), V_BS=1, K_STAGES=0, K_SCALE=1.0, ROPE=False, MASK=mask is not None, INDEXED=True,
-        SCORES=observe, NQ=n_queries, num_warps=4 if dim < 128 else 8,
+        SCORES=observe, NQ=n_queries, ONE=n_queries == 1, num_warps=4 if dim < 128 else 8,
     )  # fmt: skip
     out = merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, 0, rows, stats=stats)
     if not observe:
@@ -186,7 +186,7 @@ def kept_attention(
     return out, Observation(scores, stats[0], stats[1], group, n_queries, observe_from)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("first", "slots", "live", "candidates", "drop", "observe_from"))
 def _snapkv_evict_kernel(
     sc_ptr, m_ptr, l_ptr, idx_ptr, weight_ptr, slot_ptr, pool_ptr, out_ptr,
     heads, first, slots, live, candidates, drop, observe_from, sib, sih,

@@ -18,11 +18,11 @@ from ...quant import Kind
 from ...quant.bitplanes import MAX_BITS
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, PlainStream, RopeAngles
-from .adaptive_attention import WORDS, _plane_codes
+from .adaptive_attention import WORDS, _plane_codes, words_aligned
 from .common import EXACT, butterflies, log2_of, on_device, program, saturate_fp16, to_dtype, turned_cos_sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_coded", "coded", "tail_tokens"))
 def _adaptive_keys_kernel(
     planes_ptr, depths_ptr, low_ptr, step_ptr, tail_ptr, pos_ptr, freq_ptr, order_ptr, out_ptr,
     heads, n_coded, coded, tail_tokens, pad,
@@ -59,7 +59,7 @@ def _adaptive_keys_kernel(
         k_lo = saturate_fp16(k_lo).to(tl.float16).to(tl.float32)
         k_hi = saturate_fp16(k_hi).to(tl.float16).to(tl.float32)
     else:  # the raw tail
-        token = coded + slot
+        token = coded + slot.to(tl.int64)  # (int64 in both branches: `unit` is)
         valid = slot < tail_tokens
         raw = tail_ptr + b * stb + h * sth + slot[:, None] * stt
         k_lo = tl.load(raw + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -80,7 +80,7 @@ def _adaptive_keys_kernel(
     tl.store(rows + hi_at[None, :], to_dtype(hi, out_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("length",))
 def _plain_values_kernel(
     codes_ptr, scales_ptr, mins_ptr, out_ptr,
     heads, length, scb, sch, sct, ssb, ssh, sst, sob, soh, sot,
@@ -116,7 +116,8 @@ def _plain_values_kernel(
 
 
 def serves(stream, out: torch.Tensor) -> bool:
-    """Adaptive streams and plain q4_0/q4_1/q8_0-family streams of a power-of-two width, rows contiguous."""
+    """Adaptive streams (planes on word boundaries: `words_aligned`) and plain q4_0/q4_1/q8_0-family streams of a
+    power-of-two width, rows contiguous."""
     dim = stream.dim
     if dim < 16 or dim & (dim - 1) or out.stride(-1) != 1:
         return False
@@ -124,7 +125,8 @@ def serves(stream, out: torch.Tensor) -> bool:
         stored = [stream.tail] + (
             [] if stream.planes is None else [stream.planes, stream.bits, stream.low, stream.step]
         )
-        return stream.group in WORDS and all(t.stride(-1) == 1 for t in stored) and stream.tail.shape[2] <= stream.group
+        aligned = stream.group in WORDS and words_aligned(stream.planes, stream.group)
+        return aligned and all(t.stride(-1) == 1 for t in stored) and stream.tail.shape[2] <= stream.group
     if isinstance(stream, PlainStream):
         fmt = stream.blocks.fmt
         ok = fmt.kind in (Kind.Q4_SYM, Kind.Q4_ASYM, Kind.Q8) and dim % fmt.block_size == 0

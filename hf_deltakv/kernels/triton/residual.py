@@ -72,7 +72,7 @@ def groups_of(bits: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], 
     return tuple(depths), tuple(starts), tuple(streams), tuple(firsts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("at", "n"))
 def _raw_rows_kernel(
     k_ptr, v_ptr, kd_ptr, vd_ptr, heads, at, n,
     skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, seb, seh, set_,
@@ -146,7 +146,7 @@ def _encoder_chunk(k_ptr, v_ptr, pos_ptr, freq_ptr, order_ptr, mean_ptr, enc_ptr
     return x, tl.load(enc_ptr + s[:, None] * width + first + tl.arange(0, LATENT)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "tiles", "at"))
 def _encode_kernel(
     k_ptr, v_ptr, pos_ptr, freq_ptr, order_ptr, kmean_ptr, vmean_ptr, kenc_ptr, venc_ptr, codes_ptr, scales_ptr,
     n, tiles, at, key_width, value_width,
@@ -277,15 +277,15 @@ def _value_latents(token_codes, token_scales, valid, depth, start, scale_at, LV:
     return (code - qmax[None, :]).to(tl.float32) * scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("length", "coded_column", "per_split", "causal_offset", "head_rows", "GROUP_Q", "NQ"))
 def _latent_split_kernel(
     q_ptr, codes_ptr, scales_ptr, kdec_ptr, kmean_ptr, vdec_ptr, vmean_ptr, pos_ptr, freq_ptr, order_ptr, mask_ptr,
     o_ptr, m_ptr, l_ptr, heads, length, coded_column, per_split, scale, stream_width, causal_offset, head_rows,
     sqb, sqh, sqg, sqi, scb, sct, ssb, sst, sxb, sxt, smb, smq, smt,
-    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, HP: tl.constexpr, HP_PAD: tl.constexpr, D: tl.constexpr,
+    GROUP_Q, G_PAD: tl.constexpr, HP: tl.constexpr, HP_PAD: tl.constexpr, D: tl.constexpr,
     T: tl.constexpr, NV: tl.constexpr, NV_PAD: tl.constexpr, DEPTHS: tl.constexpr, STARTS: tl.constexpr,
     STREAMS: tl.constexpr, FIRSTS: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr, MASK: tl.constexpr,
-    NQ: tl.constexpr,
+    NQ, ONE: tl.constexpr,
 ):  # fmt: skip
     LV: tl.constexpr = NV_PAD * LATENT
     pid, split = program(0), program(1)
@@ -324,7 +324,7 @@ def _latent_split_kernel(
     for t0 in range(start, end, T):
         tok = t0 + tl.arange(0, T)
         valid = tok < end
-        if MASK and NQ == 1:
+        if MASK and ONE:
             valid = valid & (tl.load(mask_ptr + b * smb + (coded_column + tok) * smt, mask=valid, other=0) != 0)
         token_codes = codes_ptr + b * scb + tok[:, None] * sct
         token_scales = scales_ptr + b * ssb + tok * sst
@@ -344,7 +344,7 @@ def _latent_split_kernel(
             k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
         scores = (tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
                   + tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")) * scale  # fmt: skip
-        if NQ == 1:
+        if ONE:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         else:  # several queries (a chunk): each row's mask row, or its causal limit
             seen = visible(valid, coded_column + tok, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
@@ -380,11 +380,11 @@ def _latent_split_kernel(
 
 @triton.jit
 def _fold_raw(q, key, value, column, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt, causal_offset, scale,
-              MASK: tl.constexpr, NQ: tl.constexpr):  # fmt: skip
+              MASK: tl.constexpr, NQ, ONE: tl.constexpr):  # fmt: skip
     """One raw token (`key`, `value` `[D]`, at mask column `column`) folded into query rows `g`' running
     statistics."""
     score = tl.sum(q * key.to(tl.float32)[None, :], axis=1) * scale
-    if NQ > 1:  # each query row's mask row, or its causal limit
+    if not ONE:  # each query row's mask row, or its causal limit
         at = tl.full((1,), column, tl.int32)
         seen = visible(at == at, at, g % NQ, b, mask_ptr, smb, smq, smt, causal_offset, MASK)
         score = tl.where(tl.reshape(seen, (g.shape[0],)), score, float("-inf"))
@@ -396,12 +396,12 @@ def _fold_raw(q, key, value, column, m_i, l_i, acc, b, g, mask_ptr, smb, smq, sm
     return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_splits", "window", "window_column", "causal_offset", "GROUP_Q", "NQ"))
 def _latent_merge_kernel(
     q_ptr, o_ptr, m_ptr, l_ptr, sk_ptr, sv_ptr, wk_ptr, wv_ptr, mask_ptr, out_ptr,
     heads, n_splits, sinks, window, window_column, scale, causal_offset,
     sqb, sqh, sqg, sqi, skb, skh, skt, svb, svh, svt, swb, swh, swt, sub, suh, sut, smb, smq, smt,
-    GROUP_Q: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, NQ: tl.constexpr,
+    GROUP_Q, G_PAD: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, NQ, ONE: tl.constexpr,
 ):  # fmt: skip
     bh = program(0)
     b, h = bh // heads, bh % heads
@@ -429,12 +429,12 @@ def _latent_merge_kernel(
         key = tl.load(sk_ptr + b * skb + h * skh + t * skt + e)
         value = tl.load(sv_ptr + b * svb + h * svh + t * svt + e)
         m_i, l_i, acc = _fold_raw(q, key, value, t, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt, causal_offset,
-                                  scale, MASK, NQ)  # fmt: skip
+                                  scale, MASK, NQ, ONE)  # fmt: skip
     for t in range(window):
         key = tl.load(wk_ptr + b * swb + h * swh + t * swt + e)
         value = tl.load(wv_ptr + b * sub + h * suh + t * sut + e)
         m_i, l_i, acc = _fold_raw(q, key, value, window_column + t, m_i, l_i, acc, b, g, mask_ptr, smb, smq, smt,
-                                  causal_offset, scale, MASK, NQ)  # fmt: skip
+                                  causal_offset, scale, MASK, NQ, ONE)  # fmt: skip
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # nothing seen gives zeros
     tl.store(out_ptr + (bh * GROUP_Q + g[:, None]) * D + e[None, :], out, mask=live[:, None])
 
@@ -516,7 +516,7 @@ def latent_stream_attention(
             GROUP_Q=group, G_PAD=block, HP=together, HP_PAD=triton.next_power_of_2(together), D=dim,
             T=TILE_TOKENS, NV=value_groups, NV_PAD=nv_pad, DEPTHS=depths, STARTS=starts, STREAMS=streams,
             FIRSTS=firsts, ROPE=rope is not None, ORDER=order is not None, MASK=mask is not None, NQ=n_queries,
-            num_warps=4 if dim * together < 128 else 8,
+            ONE=n_queries == 1, num_warps=4 if dim * together < 128 else 8,
         )  # fmt: skip
     out = torch.empty(batch, heads, group, dim, dtype=torch.float32, device=device)
     on_device(_latent_merge_kernel)[(batch * heads, rows.blocks)](
@@ -524,6 +524,7 @@ def latent_stream_attention(
         heads, splits, sink_keys.shape[2], window_keys.shape[2], window_column, float(scale), causal_offset,
         *strides, *sink_keys.stride()[:3], *sink_values.stride()[:3], *window_keys.stride()[:3],
         *window_values.stride()[:3], *mask_strides(mask),
-        GROUP_Q=group, G_PAD=g_pad, D=dim, MASK=mask is not None, NQ=n_queries, num_warps=4 if dim < 256 else 8,
+        GROUP_Q=group, G_PAD=g_pad, D=dim, MASK=mask is not None, NQ=n_queries, ONE=n_queries == 1,
+        num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out
