@@ -27,10 +27,10 @@ from hf_deltakv.registry import CACHES, build_cache
 
 TRITON = Path(__file__).parents[1] / "hf_deltakv" / "kernels" / "triton"
 KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B's kv heads
-# every cache of ours but the residual one (its coder is made from the checkpoint's weights on the tensors' device:
-# not on `meta`; its kernels take their program ids widened like every other's)
+# every cache of ours (the residual one, with a compressor of the wide model's shape, where its layer is on `meta`)
 SPECS = [name for name in CACHES if name not in ("dynamic", "residual") and not name.startswith("hf-")]
 SPECS.append("delta-token")
+ON_META = [*SPECS, "residual"]
 _MODEL = []
 
 
@@ -47,17 +47,27 @@ def wide_model():
     return _MODEL[0]
 
 
-def make(spec: str):
+def make(spec: str, monkeypatch=None):
     model = wide_model()
     if spec == "delta-token":
         return DeltaKVCache(kf=32, keys="token", model=model)
+    if spec == "residual":  # identity weights at 4 bits a latent group, on `meta` (its cost is its shape's)
+        from hf_deltakv import ResidualKVCache
+        from hf_deltakv.residual import ResidualCompressor, ResidualConfig, attention
+
+        narrowed = attention._narrowed  # (compares weights' values: none on `meta`)
+        monkeypatch.setattr(attention, "_narrowed", lambda w: w if w.is_meta else narrowed(w))
+        stream = KV_HEADS * HEAD_DIM
+        config = ResidualConfig(num_layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM, latent_dim=stream,
+                                bits=[[4] * (2 * stream // 32)])  # fmt: skip
+        return ResidualKVCache(model=model, compressor=ResidualCompressor(config).to("meta"))
     return build_cache(spec, model)
 
 
-def record(spec: str, batch: int, tokens: int) -> list:
-    """Every launch of a prefill of `tokens`, a decoding step, a chunk of 8 and an attention of 65 queries (a chunk the
-    kernels leave to the decoded history) on `meta` tensors, recorded on the GPU path."""
-    cache = make(spec)
+def record(spec: str, batch: int, tokens: int, monkeypatch) -> list:
+    """Every launch of a prefill of `tokens`, a decoding step and a chunk of 8 on `meta` tensors, recorded on the GPU
+    path."""
+    cache = make(spec, monkeypatch)
     with LaunchRecorder() as recorder, torch.no_grad():
         for n in (tokens, 1, 8):
             states = torch.empty(batch, KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
@@ -67,13 +77,13 @@ def record(spec: str, batch: int, tokens: int) -> list:
     return recorder.launches
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ON_META)
 @pytest.mark.parametrize(("batch", "tokens"), [(64, 1 << 20), (8, 1 << 18), (1, 1 << 17)])
 def test_no_launch_passes_a_gpu_limit(spec, batch, tokens, monkeypatch):
     """The recorder's audit at batch 64 x 1M tokens (8 kv heads x 128): no grid axis above its limit, no int32 offset
     that can wrap, for every cache's prefill, decoding step and chunk on the GPU path."""
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
-    launches = record(spec, batch, tokens)
+    launches = record(spec, batch, tokens, monkeypatch)
     assert launches, spec
     problems = [problem for launch in launches for problem in audit(launch)]
     assert not problems, problems
@@ -281,14 +291,14 @@ def test_the_tests_divide_as_a_gpu_may():
 COMPILES = 24
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ON_META)
 def test_a_generation_compiles_each_kernel_a_bounded_number_of_times(spec, monkeypatch):
     """A simulated generation of 300 steps (decoding steps and chunks of 2-64 tokens, as chunked prefill and assisted
     decoding feed them) compiles each kernel at most `COMPILES` times for an H100."""
     from hf_deltakv.eval.gpu_path import compile_keys
 
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
-    cache = make(spec)
+    cache = make(spec, monkeypatch)
     sizes = [20] + [1 if i % 3 else i % 64 + 1 for i in range(300)]
     with LaunchRecorder() as recorder, torch.no_grad():
         for n in sizes:
