@@ -7,6 +7,7 @@
 - host syncs: weight skip's and the residual cache's (with references) decoding steps read nothing back;
 - JIT compiles: a 300-step generation of chunks 1-64 compiles each kernel a bounded number of times;
 - misaligned words: bit planes off word boundaries are not sent to the kernels that read them as words;
+- FMA: the kernels held to the reference's bytes launch without multiply-add contraction;
 - the tests' interpreter itself (conftest): programs run reversed or shuffled, `/` one ulp off.
 
 NaN and infinities against the references are in the kernels' own test files."""
@@ -327,3 +328,21 @@ def test_planes_off_word_boundaries_are_left_to_the_reference():
     out = torch.empty(1, 2, 70, 32)
     assert adaptive_attention.supports(keys, values, None) and reconstruct.serves(keys, out)
     assert not adaptive_attention.supports(moved, values, None) and not reconstruct.serves(moved, out)
+
+
+# Kernels held to the reference's bytes (their tests compare bytes): launched without FMA contraction (`EXACT`), a
+# GPU's default, which the interpreter never applies (it rounds every multiply and add).
+BYTE_EXACT = ("_code_groups_kernel", "_undo_rope_kernel", "_quantize_rows_kernel", "_query_energies_kernel",
+              "_delta_encode_kernel", "_delta_tokens_kernel", "_plain_values_kernel", "_adaptive_keys_kernel",
+              "_encode_kernel", "_dequantize_latent_kernel", "_snapkv_evict_kernel")  # fmt: skip
+
+
+def test_kernels_held_to_bytes_launch_without_fma_contraction():
+    launches = {}
+    for path in sorted(TRITON.glob("*.py")):
+        for call in path.read_text().split("on_device(")[1:]:
+            name = call.split(")", 1)[0]
+            launches.setdefault(name, []).append(call.split("\n\n", 1)[0])
+    assert set(BYTE_EXACT) <= set(launches), set(BYTE_EXACT) - set(launches)
+    missing = [name for name in BYTE_EXACT for call in launches[name] if "**EXACT" not in call]
+    assert not missing, missing
