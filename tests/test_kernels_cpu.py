@@ -44,7 +44,9 @@ def test_quantize_kernel_is_byte_identical(x, fmt, search):
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_quantize_kernel_on_edge_blocks(fmt):
-    x = torch.zeros(6, 32)
+    x = torch.zeros(9, 32)
+    x[6:] = torch.randn(3, 32)
+    x[6, 4], x[7, 9], x[8, 0] = float("nan"), float("inf"), -float("inf")  # NaN: codes zeros; both: a NaN scale
     x[1] = 1.1754944e-38  # reciprocal scale overflows
     x[2, 3] = 1e9  # scale saturates at the fp16 maximum
     x[3] = torch.linspace(-5, 5, 32)  # ties in |x|: the first maximum wins

@@ -270,21 +270,24 @@ def test_delta_codec_prefill_through_the_kernel_matches_the_loop(monkeypatch, op
 
 
 @pytest.mark.parametrize(
-    ("options", "dim", "rope", "rotation", "strided"),
+    ("options", "dim", "rope", "rotation", "strided", "poison"),
     [
-        ({"kf": 8}, 64, "rope", 64, True),  # the default's keys: RoPE undone, rotated, mean references, intra
-        ({"kf": 16, "delta_format": "q4_0_16"}, 32, "order", 32, False),
-        ({"kf": 4, "intra": False}, 64, None, 0, True),
-        ({"kf": 8, "reference": "keyframe", "mean_reference": False}, 32, "rope", 0, False),
+        ({"kf": 8}, 64, "rope", 64, True, True),  # the default's keys: RoPE undone, rotated, mean references, intra
+        ({"kf": 16, "delta_format": "q4_0_16"}, 32, "order", 32, False, False),
+        ({"kf": 4, "intra": False}, 64, None, 0, True, True),
+        ({"kf": 8, "reference": "keyframe", "mean_reference": False}, 32, "rope", 0, False, False),
     ],
 )
-def test_delta_tokens_kernel_stores_the_reference_bytes(monkeypatch, options, dim, rope, rotation, strided):
+def test_delta_tokens_kernel_stores_the_reference_bytes(monkeypatch, options, dim, rope, rotation, strided, poison):
     """Decoding steps of the token-delta codec in one kernel each (`kernels.delta_tokens`): RoPE undone, rotated, the
     running sum and its mean snapshots, keyframes and closed-loop deltas written into the storage's room; steps of
-    one token and chunks, across keyframes and snapshots, give the bytes the reference gives (the same rounding)."""
+    one token and chunks, across keyframes and snapshots, give the bytes the reference gives (the same rounding);
+    with `poison`, a NaN and an infinite element among the decoded tokens carried as the reference carries them."""
     import hf_deltakv.kernels
     from hf_deltakv.kernels.hadamard import rotate
     from hf_deltakv.kernels.triton import delta_encode
+
+    from .conftest import same_bits
 
     launches = []
     kernel = delta_encode.delta_tokens
@@ -293,6 +296,8 @@ def test_delta_tokens_kernel_stores_the_reference_bytes(monkeypatch, options, di
     prompt, chunks = 21, [1, 2, 1, 9, 1, 14, 1, 16]  # crosses keyframes and the snapshots at 32 and 64 tokens
     steps = sum(chunks)
     x = (torch.randn(2, 3, prompt + steps, dim, generator=g, dtype=torch.float64).cumsum(2) / 4).to(torch.bfloat16)
+    if poison:
+        x[0, 1, prompt + 3, 5], x[1, 2, prompt + 12, 7] = float("nan"), float("inf")
     if strided:  # heads inside tokens, as the model's projection leaves them
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     positions = torch.arange(prompt + steps)[None].repeat(2, 1) + torch.tensor([[0], [7]])
@@ -318,10 +323,11 @@ def test_delta_tokens_kernel_stores_the_reference_bytes(monkeypatch, options, di
     for name in ("keyframes", "deltas"):
         a, b = getattr(plain, name), getattr(fused, name)
         assert torch.equal(a.codes, b.codes), name
-        assert torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16)), name
+        assert same_bits(a.scales, b.scales), name
     for name in ("reference_state", "running_sum", "means"):
         a, b = getattr(plain, name), getattr(fused, name)
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+        assert (a is None) == (b is None) and (a is None or same_bits(a, b)), name
+    assert not poison or plain.deltas.scales.isnan().any()
 
 
 @pytest.mark.parametrize(

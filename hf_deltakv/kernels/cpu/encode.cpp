@@ -79,8 +79,11 @@ struct Coded {
 
 // Quantize one block of `bs` values into `codes` (packed), its fp16 scale (and min); mirrors quant/blocks.py.
 void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, at::Half* scale, at::Half* min) {
-  bool finite = true;
-  for (int64_t j = 0; j < bs; ++j) finite = finite && std::isfinite(x[j]);
+  bool finite = true, has_nan = false;  // a block holding NaN codes zeros (the reference's NaN scale turns every
+  for (int64_t j = 0; j < bs; ++j) {    // scaled value NaN, then 0); std::max and the comparisons would skip it
+    finite = finite && std::isfinite(x[j]);
+    has_nan = has_nan || std::isnan(x[j]);
+  }
   const float nan = std::numeric_limits<float>::quiet_NaN();
   if (format == Q8) {
     float amax = 0.f;
@@ -90,7 +93,7 @@ void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, 
     for (int64_t j = 0; j < bs; ++j) {
       const float v = x[j] * inv;
       const float r = finite_or_zero(std::copysign(std::floor(std::fabs(v) + 0.5f), v) * (v == 0.f ? 0.f : 1.f));
-      codes[j] = static_cast<uint8_t>(static_cast<int8_t>(clampf(r, -127.f, 127.f)));
+      codes[j] = has_nan ? 0 : static_cast<uint8_t>(static_cast<int8_t>(clampf(r, -127.f, 127.f)));
     }
     *scale = at::Half(finite ? d : nan);
     return;
@@ -106,7 +109,8 @@ void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, 
     const float inv = reciprocal(d);
     for (int64_t j = 0; j < bs; ++j) {
       const float v = x[j] * inv;
-      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + (offset + 0.5f))), 0.f, 2.f * offset - 1.f));
+      q[j] = has_nan ? 0 : static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + (offset + 0.5f))), 0.f,
+                                                        2.f * offset - 1.f));
     }
     *scale = at::Half(finite ? d : nan);
     return pack_symmetric(q.data(), bs, format, codes);
@@ -121,7 +125,7 @@ void quantize_block(const float* x, int64_t bs, int64_t format, uint8_t* codes, 
     const float inv = reciprocal(d);
     for (int64_t j = 0; j < bs; ++j) {
       const float v = (x[j] - lo) * inv;
-      q[j] = static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + 0.5f)), 0.f, 15.f));
+      q[j] = has_nan ? 0 : static_cast<uint8_t>(clampf(finite_or_zero(std::trunc(v + 0.5f)), 0.f, 15.f));
     }
     *scale = at::Half(finite ? d : nan);
     *min = at::Half(finite ? lo : nan);
@@ -162,10 +166,11 @@ std::vector<at::Tensor> allocate(int64_t rows, int64_t dim, int64_t bs, int64_t 
 void quantize_block_searched(const float* x, int64_t bs, int64_t format, const std::vector<double>& divisors,
                              uint8_t* codes, at::Half* scale) {
   const float offset = symmetric_offset(format), top = 2.f * offset - 1.f;
-  bool finite = true;
+  bool finite = true, has_nan = false;
   int64_t imax = 0;
   for (int64_t j = 0; j < bs; ++j) {
     finite = finite && std::isfinite(x[j]);
+    has_nan = has_nan || std::isnan(x[j]);  // (codes zeros, as in quantize_block)
     if (j && std::fabs(x[j]) > std::fabs(x[imax])) imax = j;
   }
 #if defined(__AVX512F__)
@@ -200,7 +205,8 @@ void quantize_block_searched(const float* x, int64_t bs, int64_t format, const s
       }
     }
     alignas(64) int32_t codes32[32];
-    for (int v = 0; v < vectors; ++v) _mm512_store_si512(codes32 + 16 * v, _mm512_cvttps_epi32(best[v]));
+    for (int v = 0; v < vectors; ++v)
+      _mm512_store_si512(codes32 + 16 * v, has_nan ? _mm512_setzero_si512() : _mm512_cvttps_epi32(best[v]));
     pack_symmetric(codes32, bs, format, codes);
     *scale = at::Half(finite ? best_d : std::numeric_limits<float>::quiet_NaN());
     return;
@@ -220,6 +226,7 @@ void quantize_block_searched(const float* x, int64_t bs, int64_t format, const s
     }
     if (k == 0 || err < best_err) best_err = err, best_d = d, best_q = q;
   }
+  if (has_nan) std::fill(best_q.begin(), best_q.end(), uint8_t{0});
   pack_symmetric(best_q.data(), bs, format, codes);
   *scale = at::Half(finite ? best_d : std::numeric_limits<float>::quiet_NaN());
 }
