@@ -77,6 +77,25 @@ def test_coding_matches_the_reference(n, rope, order):
     assert torch.equal(got.codes[:, :5], want.codes[:, :5]) and not got.codes[:, :5].any()  # rows before `at` kept
 
 
+def test_coding_keeps_nan_as_the_reference():
+    """A NaN key or an infinite value makes the latent groups it reaches NaN-scaled, as the reference's amax makes
+    them (the kernel's max skips NaN), with the reference's codes."""
+    from hf_deltakv.kernels.triton.residual import encode_latent_into
+
+    from .conftest import same_bits
+
+    heads, dim, n = 3, 32, 16
+    g = torch.Generator().manual_seed(n)
+    keys = torch.randn(2, heads, n, dim, generator=g).to(torch.bfloat16)
+    values = torch.randn(2, heads, n, dim, generator=g).to(torch.bfloat16)
+    keys[0, 1, 2, 5], values[1, 0, 7, 3] = float("nan"), float("inf")
+    coder = _coder(heads, dim, BITS, n)
+    want, got = _target(2, n + 7, BITS), _target(2, n + 7, BITS)
+    reference.encode_latent_into(keys, values, None, None, None, coder, BITS, want, 5)
+    encode_latent_into(keys, values, None, None, None, coder, BITS, got, 5)
+    assert want.scales.isnan().any() and same_bits(got.scales, want.scales) and torch.equal(got.codes, want.codes)
+
+
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "dim", "tokens", "sinks", "window", "rope", "masked", "n"),
     [(3, 1, 64, 45, 4, 7, True, False, 1), (4, 2, 32, 300, 0, 16, True, True, 1), (2, 2, 32, 20, 2, 0, False, False, 1),

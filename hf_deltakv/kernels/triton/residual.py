@@ -174,7 +174,9 @@ def _encode_kernel(
             bits: tl.constexpr = DEPTHS[i]
             qmax: tl.constexpr = (1 << (bits - 1)) - 1
             scale = tl.minimum(tl.math.div_rn(tl.max(tl.abs(latent), axis=1), tl.full((ROWS,), qmax, tl.float32)),
-                               FP16_MAX).to(tl.float16)  # fmt: skip
+                               FP16_MAX)  # fmt: skip
+            nan = tl.max((latent != latent).to(tl.int32), axis=1) > 0  # (tl.max skips NaN; the reference's amax not)
+            scale = tl.where(nan, float("nan"), scale).to(tl.float16)
             d = scale.to(tl.float32)
             inverse = tl.where(d > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
             q = round_half_even(latent * inverse[:, None])
