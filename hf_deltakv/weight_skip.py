@@ -99,6 +99,24 @@ class SkipStats:
                 "channels_skipped": int(self.channels_skipped), "skipped_fraction": self.skipped_fraction}  # fmt: skip
 
 
+class _Readback:
+    """A count summed on the device, brought to the host without waiting for it: copied into pinned memory behind an
+    event on a GPU, `value()` None until it has landed (on the CPU at once). `seen`: what it is a count out of."""
+
+    def __init__(self, count: int | torch.Tensor, seen: int) -> None:
+        self.seen, self.event, self.host = seen, None, count
+        if isinstance(count, torch.Tensor) and count.device.type == "cuda":
+            self.host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self.host.copy_(count, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def value(self) -> int | None:
+        if self.event is not None and not self.event.query():
+            return None
+        return int(self.host.numpy()) if isinstance(self.host, torch.Tensor) else int(self.host)
+
+
 def block_max(t: torch.Tensor, block_size: int) -> torch.Tensor:
     """max|t| over blocks of `block_size` along the last dimension (zero-padded): [..., blocks]."""
     pad = -t.shape[-1] % block_size
@@ -425,6 +443,7 @@ class _SkippingGroup:
         self._prepared_key = None
         self._pending: list = [None] * len(members)  # outputs kept for members not called yet: (input, version, out)
         self._settled = False  # exact mode: the watch is over and the kernel pays here
+        self._watched: _Readback | None = None  # exact mode: the watch's count, on its way to the host
         self.patched: list[tuple[nn.Module, str, object]] = []
         for index, module in enumerate(self.modules):
             module._weight_skip = True
@@ -560,8 +579,11 @@ class _SkippingGroup:
         stats.calls += 1
         stats.channels_seen += x.shape[-1]
         stats.channels_skipped += x.shape[-1] - kept
-        if stats.calls >= WATCH_CALLS:
-            fraction = stats.skipped_fraction
+        if stats.calls >= WATCH_CALLS and self._watched is None:
+            self._watched = _Readback(stats.channels_skipped, stats.channels_seen)
+        skipped = None if self._watched is None else self._watched.value()
+        if skipped is not None:  # (on a GPU a call or two later: the decision never waits for the device)
+            fraction = skipped / self._watched.seen
             if fraction > 0 and fraction >= EXACT_BREAK_EVEN.get(x.dtype, 0.0):
                 self._settled = True
                 self._stack()
