@@ -15,10 +15,10 @@ from functools import lru_cache
 import torch
 
 MAX_BLOCK = 128  # the largest Hadamard block used (a power of two dividing the head dimension)
-# Inputs are clamped to ±ROTATION_LIMIT before the butterflies (NaN kept), so that the sums of up to MAX_BLOCK of them
-# stay finite in fp32 (2**120 * 128 = 2**127 < fp32's max): finite in, finite out. Values this large saturate every
-# fp16 scale anyway (fp16's max is 65504), so nothing a quantizer can store changes. The C++ and Triton rotations are
-# handed this value (the one definition).
+# Finite inputs are clamped to ±ROTATION_LIMIT before the butterflies (NaN and ±inf kept: non-finite in, non-finite
+# out), so that the sums of up to MAX_BLOCK of them stay finite in fp32 (2**120 * 128 = 2**127 < fp32's max): finite
+# in, finite out. Values this large saturate every fp16 scale anyway (fp16's max is 65504), so nothing a quantizer can
+# store changes. The C++ and Triton rotations are handed this value (the one definition).
 ROTATION_LIMIT = 2.0**120
 
 
@@ -62,16 +62,17 @@ def rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Apply (or undo: the matrix is its own inverse) the block-diagonal Hadamard rotation along the last dimension,
     in fp32.
 
-    Computed by Walsh-Hadamard butterflies on the input clamped to ±`ROTATION_LIMIT`: stages `h = 1, 2, 4, ...` turn
-    each pair of channels `(i, i + h)` of a block (bit `h` of `i` clear) into `(a + b, a - b)`, then every channel is
-    multiplied by `rotation_scale(block)`.
+    Computed by Walsh-Hadamard butterflies on the input, its finite values clamped to ±`ROTATION_LIMIT`: stages `h =
+    1, 2, 4, ...` turn each pair of channels `(i, i + h)` of a block (bit `h` of `i` clear) into `(a + b, a - b)`,
+    then every channel is multiplied by `rotation_scale(block)`.
     Each row is rotated on its own by the same fp32 operations in the same order, so a token's rotation does not
     depend on what is rotated with it (a matrix product's rounding does), and the C++ and Triton kernels, which
     follow these steps, give the same floats."""
     del inverse  # Sylvester's H is symmetric and orthogonal: H^-1 = H
     dim = x.shape[-1]
     block = rotation_block(dim)
-    y = x.float().clamp(-ROTATION_LIMIT, ROTATION_LIMIT)  # finite sums (NaN kept, ±inf saturated as fp16 scales do)
+    y = x.float()
+    y = torch.where(y.isinf(), y, y.clamp(-ROTATION_LIMIT, ROTATION_LIMIT))  # finite sums of finite inputs
     lead = y.shape[:-1]
     h = 1
     while h < block:

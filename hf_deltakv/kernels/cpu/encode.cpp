@@ -259,7 +259,7 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t format, int64_t bs, 
 // [B, H, n, dim] (rows contiguous); codes uint8 [B, H, rows, blocks, bytes], scales (and mins, or empty) fp16
 // [B, H, rows, blocks], each with its blocks contiguous (any strides on the leading dimensions). With `rotation` (a
 // Hadamard block size, 0: none) each row is first rotated as hf_deltakv.kernels.hadamard.rotate rotates it: the same
-// butterflies in the same order on the row clamped to ±rotation_limit (NaN kept), then times `rotation_scale` (both
+// butterflies in the same order on the row clamped to ±rotation_limit (NaN and ±inf kept), then times `rotation_scale` (both
 // handed over from Python, the one definition: hadamard.ROTATION_LIMIT, hadamard.rotation_scale). Threads take rows.
 void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<double> divisors, at::Tensor codes,
                       at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale,
@@ -290,7 +290,7 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
       const float* row = px + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
       if (rotation) {
         for (int64_t c = 0; c < dim; ++c)  // clamped so that the sums stay finite (comparisons are false for NaN)
-          turned[c] = row[c] > limit ? limit : (row[c] < -limit ? -limit : row[c]);
+          turned[c] = std::isinf(row[c]) ? row[c] : (row[c] > limit ? limit : (row[c] < -limit ? -limit : row[c]));
         for (int64_t step = 1; step < rotation; step *= 2)
           for (int64_t base = 0; base < dim; base += 2 * step)
             for (int64_t c = base; c < base + step; ++c) {

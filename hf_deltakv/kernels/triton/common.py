@@ -121,8 +121,10 @@ def programs(axis: tl.constexpr):
 def butterflies(x, R: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr):
     """`hadamard.rotate` of rows `x` fp32 `[R, D]`: stages h = 1, 2, ... 2**(STAGES - 1), each pair of channels
     `(i, i + h)` (bit h of i clear) to `(a + b, a - b)`, then times SCALE (`hadamard.rotation_scale`); the rows are
-    first clamped to ±`hadamard.ROTATION_LIMIT` (NaN kept) so that the sums stay finite."""
-    x = tl.where(x > ROTATION_LIMIT, ROTATION_LIMIT, tl.where(x < -ROTATION_LIMIT, -ROTATION_LIMIT, x))
+    first clamped to ±`hadamard.ROTATION_LIMIT` (NaN and ±inf kept) so that the sums of finite ones stay finite."""
+    finite = tl.abs(x) != float("inf")  # (±inf kept: a non-finite input stays non-finite, as the reference's)
+    x = tl.where(finite & (x > ROTATION_LIMIT), ROTATION_LIMIT, x)
+    x = tl.where(finite & (x < -ROTATION_LIMIT), -ROTATION_LIMIT, x)
     for s in tl.static_range(STAGES):
         y = tl.permute(tl.reshape(x, (R, D // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(y)
