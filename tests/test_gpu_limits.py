@@ -65,15 +65,18 @@ def make(spec: str, monkeypatch=None):
     return build_cache(spec, model)
 
 
-def record(spec: str, batch: int, tokens: int, monkeypatch) -> list:
-    """Every launch of a prefill of `tokens`, a decoding step and a chunk of 8 on `meta` tensors, recorded on the GPU
-    path."""
+def record(spec: str, batch: int, sizes: list[int], monkeypatch) -> list:
+    """Every launch of forwards of `sizes` tokens each (the cache's update, then its attention: a query per token, one
+    for a prefill past `MAX_QUERIES`) on `meta` tensors, recorded on the GPU path."""
+    from hf_deltakv.kernels.triton.common import MAX_QUERIES
+
     cache = make(spec, monkeypatch)
     with LaunchRecorder() as recorder, torch.no_grad():
-        for n in (tokens, 1, 8):
+        for n in sizes:
             states = torch.empty(batch, KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
             cache.update(states, states, 0)
-            query = torch.empty(batch, 4 * KV_HEADS, n if n < 64 else 1, HEAD_DIM, dtype=torch.float16, device="meta")
+            queries = n if n <= MAX_QUERIES else 1
+            query = torch.empty(batch, 4 * KV_HEADS, queries, HEAD_DIM, dtype=torch.float16, device="meta")
             cache.layers[0].attend(query, None, HEAD_DIM**-0.5)
     return recorder.launches
 
@@ -84,7 +87,7 @@ def test_no_launch_passes_a_gpu_limit(spec, batch, tokens, monkeypatch):
     """The recorder's audit at batch 64 x 1M tokens (8 kv heads x 128): no grid axis above its limit, no int32 offset
     that can wrap, for every cache's prefill, decoding step and chunk on the GPU path."""
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
-    launches = record(spec, batch, tokens, monkeypatch)
+    launches = record(spec, batch, [tokens, 1, 8], monkeypatch)  # a prefill, a decoding step, a chunk
     assert launches, spec
     problems = [problem for launch in launches for problem in audit(launch)]
     assert not problems, problems
@@ -302,15 +305,8 @@ def test_a_generation_compiles_each_kernel_a_bounded_number_of_times(spec, monke
     from hf_deltakv.eval.gpu_path import compile_keys
 
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "triton")
-    cache = make(spec, monkeypatch)
-    sizes = [20] + [1 if i % 3 else i % 64 + 1 for i in range(300)]
-    with LaunchRecorder() as recorder, torch.no_grad():
-        for n in sizes:
-            states = torch.empty(1, KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
-            cache.update(states, states, 0)
-            query = torch.empty(1, 4 * KV_HEADS, n, HEAD_DIM, dtype=torch.float16, device="meta")
-            cache.layers[0].attend(query, None, HEAD_DIM**-0.5)
-    compiles = {kernel: len(keys) for kernel, keys in compile_keys(recorder.launches).items()}
+    launches = record(spec, 1, [20] + [1 if i % 3 else i % 64 + 1 for i in range(300)], monkeypatch)
+    compiles = {kernel: len(keys) for kernel, keys in compile_keys(launches).items()}
     assert compiles and max(compiles.values()) <= COMPILES, compiles
 
 

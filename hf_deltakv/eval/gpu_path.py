@@ -126,6 +126,24 @@ def _names_device(args, kwargs) -> bool:
     return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in candidates if a is not None)
 
 
+def _replace_run(stack: contextlib.ExitStack, wrap) -> None:
+    """`run` of Triton's launchable classes (interpreted and compiled, those importable) replaced by `wrap(run)` until
+    `stack` closes: what `LaunchCounter` and `LaunchRecorder` see every launch through."""
+    classes = []
+    with contextlib.suppress(ImportError):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    with contextlib.suppress(ImportError):
+        from triton.runtime.jit import JITFunction
+
+        classes.append(JITFunction)
+    for cls in classes:
+        run = cls.run
+        cls.run = wrap(run)
+        stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
+
+
 class LaunchCounter:
     """Counts what a cache's layers launch and sync, per layer and scope, while active (a context manager).
 
@@ -219,27 +237,18 @@ class LaunchCounter:
     def _wrap_triton(self, stack: contextlib.ExitStack) -> None:
         """Every Triton launch counts once (interpreted or compiled), its interpreter's own torch calls not at all."""
         counter = self
-        classes = []
-        with contextlib.suppress(ImportError):
-            from triton.runtime.interpreter import InterpretedFunction
 
-            classes.append(InterpretedFunction)
-        with contextlib.suppress(ImportError):
-            from triton.runtime.jit import JITFunction
-
-            classes.append(JITFunction)
-        for cls in classes:
-            run = cls.run
-
-            def counted_run(fn, *args, _run=run, **kwargs):
+        def counting(run):
+            def counted_run(fn, *args, **kwargs):
                 tally = counter._current()
                 if tally is not None and not kwargs.get("warmup", False):
                     tally.kernels[getattr(fn, "__name__", "triton")] += 1
                 with counter.paused():
-                    return _run(fn, *args, **kwargs)
+                    return run(fn, *args, **kwargs)
 
-            cls.run = counted_run
-            stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
+            return counted_run
+
+        _replace_run(stack, counting)
 
     def _wrap_growth(self, stack: contextlib.ExitStack) -> None:
         """Counts the stored buffers grown into larger ones (`move_rows`: one call per grown buffer; an evicting cache's
@@ -343,35 +352,46 @@ class LaunchRecorder:
         from ..kernels.triton.common import GUARDED
 
         recorder = self
-        classes = []
-        with contextlib.suppress(ImportError):
-            from triton.runtime.interpreter import InterpretedFunction
 
-            classes.append(InterpretedFunction)
-        with contextlib.suppress(ImportError):
-            from triton.runtime.jit import JITFunction
-
-            classes.append(JITFunction)
-        for cls in classes:
-            run = cls.run
-
-            def recorded(fn, *args, grid=None, warmup=False, **kwargs):
-                if warmup:
-                    return None
-                python = getattr(fn, "fn", fn)
-                grid = grid(kwargs) if callable(grid) else grid
-                grid = tuple(int(n) for n in grid) + (1,) * (3 - len(grid))
-                name = getattr(python, "__name__", "triton")
-                guard = GUARDED[-1] if GUARDED else None
-                recorder.launches.append(Launch(name, inspect.getsource(python), grid, args, kwargs, guard, fn))
+        def recorded(fn, *args, grid=None, warmup=False, **kwargs):
+            if warmup:
                 return None
+            python = getattr(fn, "fn", fn)
+            grid = grid(kwargs) if callable(grid) else grid
+            grid = tuple(int(n) for n in grid) + (1,) * (3 - len(grid))
+            name = getattr(python, "__name__", "triton")
+            guard = GUARDED[-1] if GUARDED else None
+            recorder.launches.append(Launch(name, inspect.getsource(python), grid, args, kwargs, guard, fn))
+            return None
 
-            cls.run = recorded
-            self._stack.callback(lambda cls=cls, run=run: setattr(cls, "run", run))
+        _replace_run(self._stack, lambda run: recorded)  # (nothing runs)
         return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+
+def _builder():
+    """The Triton interpreter's builder (None without Triton)."""
+    try:
+        from triton.runtime.interpreter import interpreter_builder
+    except ImportError:
+        return None
+    return interpreter_builder
+
+
+def _replace_on_builder(stack: contextlib.ExitStack, builder, **methods) -> None:
+    """Methods of the interpreter's `builder` replaced by `methods` (instance attributes over its class's) until
+    `stack` closes, whatever an enclosing replacement had put there then put back."""
+    saved = {name: vars(builder)[name] for name in methods if name in vars(builder)}
+    vars(builder).update(methods)
+
+    def restore():
+        for name in methods:
+            vars(builder).pop(name, None)
+        vars(builder).update(saved)
+
+    stack.callback(restore)
 
 
 class ProgramOrder:
@@ -391,12 +411,10 @@ class ProgramOrder:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> ProgramOrder:
-        try:
-            from triton.runtime.interpreter import interpreter_builder as builder
-        except ImportError:
+        builder = _builder()
+        if builder is None:
             return self
         plain = type(builder)  # (the class's methods: an enclosing `ProgramOrder`'s are replaced, not composed)
-        saved = {name: vars(builder)[name] for name in ("set_grid_dim", "set_grid_idx") if name in vars(builder)}
         cells: list = []
         program = self
 
@@ -413,14 +431,7 @@ class ProgramOrder:
             cells[1] = at + 1
             plain.set_grid_idx(builder, cell // (ny * nz), cell // nz % ny, cell % nz)
 
-        builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_index
-
-        def restore():
-            for name in ("set_grid_dim", "set_grid_idx"):
-                vars(builder).pop(name, None)
-            vars(builder).update(saved)
-
-        self._stack.callback(restore)
+        _replace_on_builder(self._stack, builder, set_grid_dim=grid_dim, set_grid_idx=grid_index)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -438,12 +449,10 @@ class PerturbedDivision:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> PerturbedDivision:
-        try:
-            from triton.runtime.interpreter import interpreter_builder as builder
-        except ImportError:
+        builder = _builder()
+        if builder is None:
             return self
         plain = type(builder).create_fdiv
-        saved = vars(builder).get("create_fdiv")
         perturbed = self
 
         def fdiv(lhs, rhs):
@@ -454,14 +463,7 @@ class PerturbedDivision:
                 perturbed.divisions += 1
             return out
 
-        builder.create_fdiv = fdiv
-
-        def restore():
-            vars(builder).pop("create_fdiv", None)
-            if saved is not None:
-                builder.create_fdiv = saved
-
-        self._stack.callback(restore)
+        _replace_on_builder(self._stack, builder, create_fdiv=fdiv)
         return self
 
     def __exit__(self, *exc) -> None:

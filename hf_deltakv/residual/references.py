@@ -99,7 +99,6 @@ def split_positions(start: int, n: int, stride: int, device: torch.device) -> tu
 class SplitTokens:
     """Tokens split into references and coded tokens (what the cache, training and fitting all start from)."""
 
-    is_reference: torch.Tensor  # bool [n]: which of the tokens are references
     reference_at: torch.Tensor  # int64 [references]: their positions among the tokens
     coded_at: torch.Tensor  # int64 [coded]: the coded tokens' positions
     stored: QuantizedTensor | None  # the new references, packed (None: no reference among the tokens)
@@ -113,13 +112,11 @@ def split_tokens(
     """Split tokens `x` `[batch, n, 2 * dim]` at stream indices `start .. start + n - 1` into references, stored in
     `layout.reference_format`, and coded tokens with their bases: the mean of their `top_k` nearest causal
     references among the `earlier` stored ones and the new ones. No value is read back to the host."""
-    n = x.shape[1]
-    index = torch.arange(start, start + n, device=x.device)
-    ref_at, coded_at = split_positions(start, n, layout.stride, x.device)
+    ref_at, coded_at = split_positions(start, x.shape[1], layout.stride, x.device)
     stored = store_references(x.index_select(1, ref_at).detach(), layout.reference_format) if ref_at.numel() else None
     packed = [q for q in (earlier, stored) if q is not None]
     refs = load_references(QuantizedTensor.cat(packed, 1)) if packed else None
     ref_index = torch.arange(0 if refs is None else refs.shape[1], device=x.device) * layout.stride
     coded = x.index_select(1, coded_at).detach()
-    ids, bases = token_bases(coded, index.index_select(0, coded_at), refs, ref_index, layout.top_k)
-    return SplitTokens(is_reference(index, layout.stride), ref_at, coded_at, stored, ids, bases)
+    ids, bases = token_bases(coded, coded_at + start, refs, ref_index, layout.top_k)
+    return SplitTokens(ref_at, coded_at, stored, ids, bases)

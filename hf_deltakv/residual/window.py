@@ -35,15 +35,14 @@ def code_window(
         split = split_tokens(stream, 0, layout)
         coded = stream.clone()
         if split.stored is not None:
-            coded[:, split.is_reference] = load_references(split.stored)
-        others = ~split.is_reference
-        if others.any():
-            target = stream[:, others]
+            coded.index_copy_(1, split.reference_at, load_references(split.stored).to(coded.dtype))
+        if split.coded_at.numel():
+            target = stream.index_select(1, split.coded_at)
             dim = compressor.stream_dim
             residual = target - split.bases
             rk, rv = fake_code_residuals(compressor, bits, residual[..., :dim], residual[..., dim:])
             rebuilt = torch.cat([rk, rv], dim=-1) + split.bases
-            coded[:, others] = rebuilt
+            coded.index_copy_(1, split.coded_at, rebuilt)
             centered = target - target.mean(dim=1, keepdim=True)
             error = (rebuilt - target).pow(2).sum() / centered.pow(2).sum().clamp_min(1e-12)
         out = torch.cat([x[:, :begin], coded, x[:, begin + compressed :]], dim=1)

@@ -131,15 +131,6 @@ def _load_tile(
 
 
 @triton.jit
-def load_queries(q_ptr, bh, GROUP, G_PAD: tl.constexpr, D: tl.constexpr):
-    """The `[G_PAD, D]` fp32 queries of the query heads sharing kv head `bh` (rows past GROUP are zeros)."""
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
-    heads = bh * GROUP + g  # rows of q viewed as [batch * kv_heads * GROUP, D]
-    return tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
 def store_partials(o_ptr, m_ptr, l_ptr, bh, split, n_splits, acc, m_i, l_i, G_PAD: tl.constexpr, D: tl.constexpr):
     """One split's running statistics of its block of `G_PAD` query rows (grid axis 2: the blocks, one without it),
     combined afterwards by `combine_splits` or the merge kernel."""
