@@ -25,7 +25,17 @@ import triton.language as tl
 from ...quant import Kind, QuantizedTensor, check_search_scale, get_format
 from ...quant.blocks import SCALE_SEARCH
 from ..hadamard import rotation_scale
-from .common import EXACT, FP16_MAX, butterflies, log2_of, on_device, program, rope_cos_sin, saturate_fp16
+from .common import (
+    EXACT,
+    FP16_MAX,
+    butterflies,
+    finite_or_zero,
+    log2_of,
+    on_device,
+    program,
+    rope_cos_sin,
+    saturate_fp16,
+)
 from .decode_attention import F16, Q3_SYM, Q4_ASYM, Q8, ROW_KINDS
 
 ROWS_MOST = 16  # tokens a program of the append kernels handles (a prefill's; a decoding step has one)
@@ -99,7 +109,7 @@ def _symmetric_codes(x, peak, OFFSET: tl.constexpr, DIVISORS: tl.constexpr, NB: 
         d = tl.minimum(tl.maximum(d, -FP16_MAX), FP16_MAX)
         inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
         scaled = x * inv[:, None] + (OFFSET + 0.5)
-        codes = tl.where((scaled == scaled) & (tl.abs(scaled) != float("inf")), tl.floor(scaled), 0.0)
+        codes = finite_or_zero(tl.floor(scaled))
         codes = tl.minimum(tl.maximum(codes, 0.0), 2.0 * OFFSET - 1.0)
         if len(DIVISORS) == 1:
             best_codes, best_scale = codes, d
@@ -125,7 +135,7 @@ def _q8_0(x, magnitude, nan, NB: tl.constexpr):
     inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))
     scaled = x * inv[:, None]
     q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5))  # round half away from zero
-    q = tl.where((q == q) & (tl.abs(q) != float("inf")), q, 0.0)
+    q = finite_or_zero(q)
     return tl.where(nan[:, None], 0.0, tl.minimum(tl.maximum(q, -127.0), 127.0)).to(tl.int8), d
 
 

@@ -140,6 +140,12 @@ def clamp(x, low, high):
 
 
 @triton.jit
+def finite_or_zero(x):
+    """`quant.blocks._finite_or_zero`: NaN and ±inf to 0 (a scaled value's code before clipping, as the reference)."""
+    return tl.where((x == x) & (tl.abs(x) != float("inf")), x, 0.0)
+
+
+@triton.jit
 def saturate_fp16(x):
     """`quant.saturate_fp16` before the conversion: clamped to fp16's finite range, NaN kept."""
     return tl.where(x > FP16_MAX, FP16_MAX, tl.where(x < -FP16_MAX, -FP16_MAX, x))

@@ -21,7 +21,17 @@ import triton.language as tl
 from ..hadamard import rotation_scale
 from ..layout import DeltaRows
 from .append import q8_0_blocks
-from .common import EXACT, butterflies, log2_of, on_device, program, rope_cos_sin, saturate_fp16, snapshots_held
+from .common import (
+    EXACT,
+    butterflies,
+    finite_or_zero,
+    log2_of,
+    on_device,
+    program,
+    rope_cos_sin,
+    saturate_fp16,
+    snapshots_held,
+)
 from .quantize import q4_0_halves
 
 
@@ -29,8 +39,8 @@ from .quantize import q4_0_halves
 def _code_against(x_lo, x_hi, base_lo, base_hi, cols, HALF: tl.constexpr):
     """q4_0 of `x - base` (blocks as halves): clipped codes, fp16 scale and the reconstruction from that scale."""
     q_lo, q_hi, d = q4_0_halves(x_lo - base_lo, x_hi - base_hi, cols, HALF)
-    q_lo = tl.minimum(tl.maximum(tl.where(q_lo == q_lo, q_lo, 0.0), 0.0), 15.0)
-    q_hi = tl.minimum(tl.maximum(tl.where(q_hi == q_hi, q_hi, 0.0), 0.0), 15.0)
+    q_lo = tl.minimum(tl.maximum(finite_or_zero(q_lo), 0.0), 15.0)  # (an infinite element codes 0, as the reference)
+    q_hi = tl.minimum(tl.maximum(finite_or_zero(q_hi), 0.0), 15.0)
     scale = d.to(tl.float16)
     step = scale.to(tl.float32)[:, None]
     return q_lo, q_hi, scale, base_lo + (q_lo - 8.0) * step, base_hi + (q_hi - 8.0) * step

@@ -26,8 +26,9 @@ def _reciprocal(d):
 @triton.jit
 def q4_0_halves(lo, hi, cols, HALF: tl.constexpr):
     """q4_0 of blocks given as halves `[rows, HALF]`: unclipped codes of each half (fp32; NaN for a block holding NaN,
-    whose codes are then 0) and the fp32 scale as stored (signed value of largest magnitude / -8, first one on ties as
-    torch.argmax, saturated to the fp16 range; NaN for a block that is not all finite), as `quant.quantize` codes."""
+    ±inf for an infinite element: the caller codes both 0, `common.finite_or_zero`) and the fp32 scale as stored
+    (signed value of largest magnitude / -8, first one on ties as torch.argmax, saturated to the fp16 range; NaN for a
+    block that is not all finite), as `quant.quantize` codes."""
     a_lo = tl.abs(lo)
     a_hi = tl.abs(hi)
     nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0  # (tl.max ignores NaN; torch's argmax finds it)
