@@ -20,6 +20,7 @@ RANKS = {
     "layers": 3,  # transformers cache layers over codecs
     "allocation": 3,  # DeltaKVCache(bits=): bits per layer from a shipped calibration (tables/*.json)
     "cache": 4,  # the Cache classes users construct
+    "static": 5,  # caches for compiled decoding: storage preallocated to max_cache_len (layer types from `cache`)
     "eval": 5,  # perplexity/KL through a cache, texts, K/V statistics
     "weight_skip": 6,  # the decode-time linear hook (ops; eval's texts to calibrate on)
     "residual": 6,  # the learned residual cache as one feature (cache, layer, fitting, training, checkpoints)

@@ -32,8 +32,7 @@ def rotation_block(dim: int) -> int:
     return block
 
 
-@lru_cache(maxsize=16)
-def rotation_scale(block: int) -> float:
+def rotation_scale(block: int) -> float:  # (not cached: a compiled graph traces it, and it costs a struct round trip)
     """The normalisation `1 / sqrt(block)` as the fp32 number every implementation multiplies by (the one definition:
     the C++ and Triton kernels are handed this value)."""
     return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(block)))[0]

@@ -1,0 +1,125 @@
+"""Compiled decoding (issue 63): a cache with `max_cache_len` compiles under `generate`, as transformers' own CI
+compiles `StaticCache` (`CompileConfig(fullgraph=True, dynamic=False)`, `_compile_all_devices`): no graph break
+(fullgraph raises on one), one graph for every decoding step (no recompile), the tokens of eager decoding, the bytes
+of the cache that grows as needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._inductor.config
+from transformers import CompileConfig
+from transformers.cache_utils import StaticCache
+
+from hf_deltakv import QuantizedKVCache, StaticQuantizedKVCache
+
+from .conftest import tiny_model
+
+NEW = 64  # decoding steps: every one after the first replays the first one's graph
+
+
+def prompt(length: int = 9) -> torch.Tensor:
+    return torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+def generate(model, cache, compile_config=None) -> torch.Tensor:
+    return model.generate(
+        prompt(), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, cache=cache, compile_config=compile_config
+    )
+
+
+def counting_config(compiles: list) -> CompileConfig:
+    """transformers' CI compile config, with a backend that counts the graphs it is handed (then inductor)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph, example_inputs):
+        compiles.append(graph)
+        return compile_fx(graph, example_inputs)
+
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    config._compile_all_devices = True  # (on the CPU generate compiles only when asked so)
+    return config
+
+
+@pytest.mark.parametrize(("formats", "rotate", "dtype"), [(("q8_0", "q4_0"), True, torch.float32),
+                                                          (("q4_1", "q4_0"), False, torch.bfloat16)])  # fmt: skip
+def test_generate_compiles_once_and_decodes_as_eager(formats, rotate, dtype):
+    model = tiny_model(dtype=dtype)
+    make = lambda: StaticQuantizedKVCache(*formats, rotate=rotate, max_cache_len=80, model=model)  # noqa: E731
+    assert make().is_compileable
+    expected = generate(model, make())
+    if dtype == torch.float32:  # the tokens of the cache that grows (in bf16 its fp32 attention kernel and SDPA over
+        # the decoded bf16 history round differently: a near tie may go the other way)
+        assert torch.equal(generate(model, QuantizedKVCache(*formats, rotate=rotate)), expected)
+    torch._dynamo.reset()
+    compiles = []
+    compiled = make()
+    # (inductor keeps fused bf16 intermediates in fp32 unless told to round as eager does: without this, transformers'
+    # own StaticCache decodes other tokens compiled than eager on this tiny bf16 model, measured)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
+    assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
+    held = 9 + NEW - 1  # (the last token is not fed back)
+    for layer in compiled.layers:
+        assert int(layer.cumulative_length) == held
+        assert not any(t[:, :, held:].any() for t in layer.tensors())  # the rest of the capacity untouched
+
+
+@pytest.mark.parametrize(("formats", "rotate"), [(("q8_0", "q4_0"), True), (("q4_1", "q3_0"), False)])
+def test_compiled_step_stores_the_bytes_of_the_growing_cache(formats, rotate):
+    """Given the same keys and values (a model's numerics differ between eager and compiled decoding, and so do the
+    keys of later layers), the compiled update writes the bytes `QuantizedKVCache` stores."""
+    from hf_deltakv.layers.static import PackedStaticLayer
+
+    g = torch.Generator().manual_seed(1)
+    keys = (torch.randn(2, 3, 24, 64, generator=g) * 3).to(torch.bfloat16)
+    values = torch.randn(2, 3, 24, 64, generator=g).to(torch.bfloat16)
+    grown, layer = QuantizedKVCache(*formats, rotate=rotate), PackedStaticLayer(32, *formats, rotate=rotate)
+    grown.update(keys[:, :, :8], values[:, :, :8], 0)
+    layer.update(keys[:, :, :8], values[:, :, :8])  # (a prefill: eager, as generate runs it)
+    step = torch.compile(layer.update, fullgraph=True, dynamic=False)
+    for t in range(8, 24):
+        grown.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], 0)
+        decoded = step(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    reference = grown.layers[0]
+    for stored, codec in zip(layer.stored, (reference.key_codec, reference.value_codec), strict=True):
+        for a, b in zip(stored.tensors(), codec.layout().blocks.tensors(), strict=True):
+            assert torch.equal(a[:, :, :24], b)
+    eager = grown.layers[0].reconstruct()
+    for got, want in zip(decoded, eager, strict=True):
+        assert torch.equal(got[:, :, :24], want) and not got[:, :, 24:].any()  # decoded as the growing cache decodes
+
+
+def test_storage_is_preallocated_and_counted():
+    model = tiny_model(dtype=torch.float16)
+    cache = StaticQuantizedKVCache("q4_0", "q4_0", max_cache_len=64, model=model)
+    generate_ids = model.generate(prompt(), max_new_tokens=4, do_sample=False, cache=cache)
+    assert generate_ids.shape[1] == 13
+    static = StaticCache(config=model.config, max_cache_len=64)
+    model(prompt(), cache=static, use_cache=True)
+    static_bytes = sum(t.numel() * t.element_size() for layer in static.layers for t in (layer.keys, layer.values))
+    assert cache.nbytes() == static_bytes * 18 // 64  # q4_0: 18 bytes per 32 elements, fp16 64
+    assert cache.used_nbytes() == cache.nbytes() * 12 // 64
+    addresses = [t.data_ptr() for layer in cache.layers for t in layer.tensors()]
+    model.generate(generate_ids, max_new_tokens=2, do_sample=False, cache=cache)
+    assert [t.data_ptr() for layer in cache.layers for t in layer.tensors()] == addresses  # written in place
+
+
+def test_bad_use_is_refused_and_leaves_the_cache_as_it_was():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="max_cache_len must be a positive integer"):
+        StaticQuantizedKVCache(max_cache_len=0, model=model)
+    with pytest.raises(ValueError, match="needs the model"):
+        StaticQuantizedKVCache(max_cache_len=16, model=None)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        StaticQuantizedKVCache(max_cache_len=16, model=tiny_model("gemma3"))
+    cache = StaticQuantizedKVCache("q8_0", "q8_0", max_cache_len=12, model=model)
+    model(prompt(), cache=cache, use_cache=True)
+    before = [t.clone() for layer in cache.layers for t in layer.tensors()]
+    with pytest.raises(ValueError, match="at most max_cache_len=12"):
+        model(prompt(4), cache=cache, use_cache=True)
+    assert int(cache.layers[0].cumulative_length) == 9
+    after = [t for layer in cache.layers for t in layer.tensors()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes() == sum(t.nbytes for t in before)
