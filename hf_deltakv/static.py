@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .cache import model_layer_types
+from .cache import model_layer_types, text_config
 from .layers.static import PackedStaticLayer
 from .quant import get_format
 
@@ -20,8 +20,9 @@ class StaticQuantizedKVCache(Cache):
     layer's storage holds `max_cache_len` tokens from the first forward on and is written in place.
 
     The same bytes as `QuantizedKVCache` with the same formats (`nbytes()` counts the whole capacity, as it is
-    allocated; `used_nbytes()` the tokens held). Attention reads the history decoded in the model's dtype, one layer
-    at a time (see `layers.static`). Sinks, pre-RoPE keys and sliding-window layers are not served yet.
+    allocated; `used_nbytes()` the tokens held). In a decoding step SDPA reads the packed storage (one op per layer,
+    `kernels.ops`); a prompt, or an attention other than SDPA, reads it decoded (see `layers.static`). Sinks,
+    pre-RoPE keys and sliding-window layers are not served yet.
 
     Args:
         k_format: block format of keys (`q4_0`, `q4_1`, `q8_0`, `f16`, ...).
@@ -54,7 +55,9 @@ class StaticQuantizedKVCache(Cache):
         self.max_cache_len = max_cache_len
         self.options = {"k_format": k_format, "v_format": v_format, "rotate": rotate, "max_cache_len": max_cache_len}
         layers = len(model_layer_types(model))
-        super().__init__(layers=[PackedStaticLayer(max_cache_len, k_format, v_format, rotate) for _ in range(layers)])
+        sdpa = getattr(text_config(model), "_attn_implementation", None) == "sdpa"  # else: decoded tensors
+        make = lambda: PackedStaticLayer(max_cache_len, k_format, v_format, rotate, packed_attention=sdpa)  # noqa: E731
+        super().__init__(layers=[make() for _ in range(layers)])
 
     def nbytes(self) -> int:
         """Bytes held: every layer's storage for `max_cache_len` tokens (allocated at the first forward)."""

@@ -59,6 +59,9 @@ def test_generate_compiles_once_and_decodes_as_eager(formats, rotate, dtype):
     with torch._inductor.config.patch(emulate_precision_casts=True):
         assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
     assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
+    calls = [node.target for node in compiles[0].graph.nodes if node.op == "call_function"]
+    assert [str(target) for target in calls].count("hf_deltakv.plain_attention") == len(model.model.layers)  # codes
+    assert not any("scaled_dot_product" in str(target) for target in calls)  # (never on a decoded history)
     held = 9 + NEW - 1  # (the last token is not fed back)
     for layer in compiled.layers:
         assert int(layer.cumulative_length) == held
@@ -74,7 +77,8 @@ def test_compiled_step_stores_the_bytes_of_the_growing_cache(formats, rotate):
     g = torch.Generator().manual_seed(1)
     keys = (torch.randn(2, 3, 24, 64, generator=g) * 3).to(torch.bfloat16)
     values = torch.randn(2, 3, 24, 64, generator=g).to(torch.bfloat16)
-    grown, layer = QuantizedKVCache(*formats, rotate=rotate), PackedStaticLayer(32, *formats, rotate=rotate)
+    grown = QuantizedKVCache(*formats, rotate=rotate)
+    layer = PackedStaticLayer(32, *formats, rotate=rotate, packed_attention=False)  # (update returns it decoded)
     grown.update(keys[:, :, :8], values[:, :, :8], 0)
     layer.update(keys[:, :, :8], values[:, :, :8])  # (a prefill: eager, as generate runs it)
     step = torch.compile(layer.update, fullgraph=True, dynamic=False)
@@ -123,3 +127,36 @@ def test_bad_use_is_refused_and_leaves_the_cache_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == sum(t.nbytes for t in before)
+
+
+@pytest.mark.parametrize(("formats", "rotate"), [(("q8_0", "q4_0"), True), (("q4_1", "f16"), False)])
+def test_plain_attention_op_passes_opcheck_and_matches_sdpa_on_the_decoded_history(formats, rotate):
+    """`hf_deltakv::plain_attention`: schema, fake implementation and dispatch as `torch.library.opcheck` checks them;
+    the result SDPA gives over the decoded slots under the same mask (fp32 sums, 1e-5)."""
+    from hf_deltakv.kernels.hadamard import rotate as hadamard
+    from hf_deltakv.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(2)
+    batch, heads, group, n, slots, dim = 2, 2, 3, 1, 40, 64
+    query = torch.randn(batch, heads, group, n, dim, generator=g)
+    history = [torch.randn(batch, heads, slots, dim, generator=g) for _ in range(2)]
+    packed = [quantize(hadamard(x) if rotate else x, fmt) for x, fmt in zip(history, formats, strict=True)]
+    mask = torch.rand(batch, n, slots, generator=g) < 0.7
+    kwargs = dict(k_format=formats[0], v_format=formats[1], value_dim=dim, rotate=rotate, scale=dim**-0.5)
+    args = (query, *[t for q in packed for t in (q.codes, q.scales, q.mins)], mask)
+    torch.library.opcheck(torch.ops.hf_deltakv.plain_attention.default, args, kwargs)
+    out = torch.ops.hf_deltakv.plain_attention(*args, **kwargs)
+    decoded = [hadamard(dequantize(q)) if rotate else dequantize(q) for q in packed]
+    rows = query.flatten(2, 3)  # (n = 1: every row of a kv head is query 0 of one of its query heads)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        rows, *decoded, attn_mask=mask[:, None], scale=dim**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_other_attentions_get_the_decoded_history():
+    model = tiny_model()
+    model.config._attn_implementation = "eager"
+    cache = StaticQuantizedKVCache("q8_0", "q8_0", max_cache_len=24, model=model)
+    ids = model.generate(prompt(), max_new_tokens=4, do_sample=False, cache=cache)
+    assert ids.shape[1] == 13 and all(layer.packed is None for layer in cache.layers)

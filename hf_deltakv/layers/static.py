@@ -7,10 +7,11 @@ between steps, nothing grows), so a decoding step is one graph that `torch.compi
 recompiling. The new tokens are coded as `QuantizedKVCache` codes them (the same bytes: `reference.quantize_at`'s
 arithmetic, the Hadamard rotation first when asked).
 
-Attention: `update` returns the decoded capacity in the model's dtype (unwritten slots decode to zeros and are
-masked: transformers' mask spans `max_cache_len`, as for `StaticCache`), one layer's worth at a time. This decodes
-the history at every step; attention read straight from the codes under compile is not done yet (eager caches
-without `max_cache_len` read the codes).
+Attention: in a decoding step `update` returns `attention.packed` placeholders, and SDPA on them reads the packed
+storage through one op (`hf_deltakv::plain_attention`: the C++ kernel on the CPU, Triton on GPUs), over every slot
+under transformers' mask (it spans `max_cache_len`, as for `StaticCache`; unwritten slots are zeros, masked). A
+prompt or chunk of several tokens, or a model whose attention is not SDPA, gets the decoded capacity in the model's
+dtype instead (unwritten slots decode to zeros).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import StaticLayer
 
+from ..attention.packed import packed_classes, packed_pair
+from ..kernels import ops  # noqa: F401  (registers hf_deltakv::plain_attention)
 from ..kernels.hadamard import rotate
 from ..quant import QuantizedTensor, check_search_scale, dequantize, get_format, quantize, saturate_fp16
 
@@ -40,9 +43,16 @@ class PackedStaticLayer(StaticLayer):
     """
 
     def __init__(
-        self, max_cache_len: int, k_format: str, v_format: str, rotate: bool = False, search_scale: bool = False
+        self,
+        max_cache_len: int,
+        k_format: str,
+        v_format: str,
+        rotate: bool = False,
+        search_scale: bool = False,
+        packed_attention: bool = True,
     ) -> None:
         super().__init__(max_cache_len)
+        self.packed = packed_classes(self) if packed_attention else None
         self.formats = tuple(check_search_scale(fmt, search_scale).name for fmt in (k_format, v_format))
         self.rotate, self.search_scale = rotate, search_scale
         self.stored: tuple[QuantizedTensor, QuantizedTensor] | None = None
@@ -83,7 +93,41 @@ class PackedStaticLayer(StaticLayer):
             for target, rows in zip(stored.tensors(), new.tensors(), strict=True):
                 target.index_copy_(2, positions, rows)
         self.cumulative_length.add_(n)
+        if self.packed is not None and n == 1:  # a decoding step: SDPA on these reads the packed storage
+            shape = (self.batch_size, self.num_heads, self.max_cache_len)
+            return packed_pair(self.packed, (*shape, self.k_head_dim), (*shape, self.v_head_dim), self.dtype,
+                               self.device)  # fmt: skip
         return self.decoded(0), self.decoded(1)
+
+    def attend_packed(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """`scaled_dot_product_attention(query, keys, values, mask)` over every slot, read from the packed storage
+        (`kernels.ops.plain_attention`). `query` `[batch, heads, n, dim]`: the layer's kv heads times a group (GQA's
+        query heads, or transformers' `pack_gqa` rows as queries); `mask` bool `[batch | 1, 1, n, slots]` or None
+        (causal: the slots held)."""
+        batch, heads, n, _ = query.shape
+        slots = self.max_cache_len
+        if mask is None:
+            last = self.cumulative_length - n + torch.arange(n, device=self.device)  # each query's last slot
+            mask = (torch.arange(slots, device=self.device)[None] <= last[:, None])[None, None]
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != slots:
+            raise RuntimeError(f"a compiled cache layer takes a mask [batch, 1, n, {slots}], got {tuple(mask.shape)}")
+        keys, values = self.stored
+        out = torch.ops.hf_deltakv.plain_attention(
+            query.float().unflatten(1, (self.num_heads, heads // self.num_heads)),
+            keys.codes,
+            keys.scales,
+            keys.mins,
+            values.codes,
+            values.scales,
+            values.mins,
+            mask[:, 0].expand(batch, n, slots),
+            k_format=self.formats[0],
+            v_format=self.formats[1],
+            value_dim=self.v_head_dim,
+            rotate=self.rotate,
+            scale=float(scale),
+        )
+        return out.reshape(batch, heads, n, self.v_head_dim).to(query.dtype)
 
     def decoded(self, index: int) -> torch.Tensor:
         """Keys (0) or values (1) of every slot, decoded in the model's dtype (fp16 saturates)."""
