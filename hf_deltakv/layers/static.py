@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import StaticLayer
 
+from .. import kernels
 from ..attention.packed import packed_classes, packed_pair
 from ..kernels import ops  # noqa: F401  (registers hf_deltakv::plain_attention)
-from ..kernels.hadamard import rotate
+from ..kernels.hadamard import rotate, rotation_block
 from ..quant import QuantizedTensor, check_search_scale, dequantize, get_format, quantize, saturate_fp16
 
 
@@ -87,11 +88,18 @@ class PackedStaticLayer(StaticLayer):
                 f"this cache holds at most max_cache_len={self.max_cache_len} tokens; {int(self.cumulative_length)} "
                 f"are held and {n} more were given: make the cache with a larger max_cache_len"
             )
-        positions = torch.arange(n, device=self.device) + self.cumulative_length
-        for stored, fmt, x in zip(self.stored, self.formats, (key_states, value_states), strict=True):
-            new = quantize(rotate(x) if self.rotate else x.float(), fmt, self.search_scale)
-            for target, rows in zip(stored.tensors(), new.tensors(), strict=True):
-                target.index_copy_(2, positions, rows)
+        if torch.compiler.is_compiling():  # in the graph: at the positions the length tensor gives
+            positions = torch.arange(n, device=self.device) + self.cumulative_length
+            for stored, fmt, x in zip(self.stored, self.formats, (key_states, value_states), strict=True):
+                new = quantize(rotate(x) if self.rotate else x.float(), fmt, self.search_scale)
+                for target, rows in zip(stored.tensors(), new.tensors(), strict=True):
+                    target.index_copy_(2, positions, rows)
+        else:  # eager: the dispatched kernel (C++ on the CPU, Triton on GPUs), the same bytes (tested)
+            at = int(self.cumulative_length)
+            for stored, fmt, x in zip(self.stored, self.formats, (key_states, value_states), strict=True):
+                kernels.quantize_at(
+                    x, fmt, self.search_scale, stored, at, rotation_block(x.shape[-1]) if self.rotate else 0
+                )
         self.cumulative_length.add_(n)
         if self.packed is not None and n == 1:  # a decoding step: SDPA on these reads the packed storage
             shape = (self.batch_size, self.num_heads, self.max_cache_len)

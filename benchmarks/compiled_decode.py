@@ -1,0 +1,147 @@
+"""Compiled decoding on the CPU: `generate` decode tokens/s of SmolLM2 per cache, eager and compiled, against the
+fastest uncompressed transformers cache.
+
+Caches: `dynamic` (DynamicCache, eager), `static` (StaticCache, eager), `static-compiled` (StaticCache under
+`CompileConfig(fullgraph=True, dynamic=False)`, `_compile_all_devices` as transformers' CI runs it on the CPU,
+mode None: CUDA graphs do not exist here), `q4_0-rot-static` / `-compiled` (`StaticQuantizedKVCache("q4_0",
+"q4_0", rotate=True)`, the llama.cpp format with rotation), `delta` (`DeltaKVCache(kf=32, model=model)`, eager: it
+does not compile yet). Each configuration runs in its own process: one warm-up generation (compiling, where asked),
+then per round a prefill alone (`max_new_tokens=1`) and a full generation of `--new` tokens on fresh caches; decode
+tokens/s = (new - 1) / (full - prefill). Configurations alternate across rounds; figures are medians over rounds,
+and each row's ratio is against the fastest uncompressed cache (`dynamic`, `static`, `static-compiled`) at its context
+and dtype in the same invocation.
+
+    python benchmarks/compiled_decode.py                              # 1K, 4K; fp32 and bf16; 2 rounds
+    python benchmarks/compiled_decode.py --ctx 4096 --dtypes bfloat16 --caches static,q4_0-rot-static-compiled
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from paths import RESULTS, machine
+
+CACHES = ("dynamic", "static", "static-compiled", "q4_0-rot-static", "q4_0-rot-static-compiled", "delta")
+UNCOMPRESSED = ("dynamic", "static", "static-compiled")
+
+
+def make_cache(name: str, model, capacity: int):
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    from hf_deltakv import DeltaKVCache, StaticQuantizedKVCache
+
+    base = name.removesuffix("-compiled")
+    if base == "dynamic":
+        return DynamicCache(config=model.config)
+    if base == "static":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    if base == "q4_0-rot-static":
+        return StaticQuantizedKVCache("q4_0", "q4_0", rotate=True, max_cache_len=capacity, model=model)
+    if base == "delta":
+        return DeltaKVCache(kf=32, model=model)
+    raise ValueError(f"unknown cache {name!r}; one of {CACHES}")
+
+
+@torch.no_grad()
+def measure_one(name: str, ctx: int, new: int, dtype: str, rounds: int) -> list[dict]:
+    from transformers import CompileConfig
+
+    from hf_deltakv.eval.texts import load_text
+    from hf_deltakv.kernels.cpu import extension
+    from hf_deltakv.models import load_model
+
+    model, tokenizer = load_model(dtype=getattr(torch, dtype))
+    ids = tokenizer(load_text("stdlib-code"), return_tensors="pt").input_ids[:, :ctx]
+    extension()  # the CPU kernels built outside the timings
+    compiled = name.endswith("-compiled")
+    config = None
+    if compiled:
+        config = CompileConfig(fullgraph=True, dynamic=False, mode=None)
+        config._compile_all_devices = True
+
+    def run(tokens: int) -> float:
+        cache = make_cache(name, model, ctx + new)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, cache=cache,
+                       compile_config=config, disable_compile=not compiled)  # fmt: skip
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    run(new)  # warm-up: compiles, where asked
+    warmup = time.perf_counter() - start
+    results = []
+    for _ in range(rounds):
+        prefill, full = run(1), run(new)
+        results.append({"prefill_s": prefill, "decode_tokens_per_s": (new - 1) / (full - prefill)})
+    return [{"cache": name, "ctx": ctx, "dtype": dtype, "new": new, "warmup_s": warmup, **r} for r in results]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ctx", default="1024,4096")
+    parser.add_argument("--new", type=int, default=33, help="tokens generated (the first comes from the prefill)")
+    parser.add_argument("--caches", default=",".join(CACHES))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per process (after one warm-up)")
+    parser.add_argument("--out", default=str(RESULTS / "compiled_decode.json"))
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.dtypes, args.rounds)))
+        return 0
+    rows = []
+    for ctx in map(int, args.ctx.split(",")):
+        for dtype in args.dtypes.split(","):
+            for name in args.caches.split(","):
+                cmd = [sys.executable, __file__, "--one", name, "--ctx", str(ctx), "--new", str(args.new)]
+                cmd += ["--dtypes", dtype, "--rounds", str(args.rounds)]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    print(f"  {name} @ {ctx} {dtype} failed:\n{done.stderr[-1500:]}", file=sys.stderr)
+                    continue
+                results = json.loads(done.stdout.strip().splitlines()[-1])
+                row = dict(results[0])
+                for key in ("prefill_s", "decode_tokens_per_s"):
+                    row[key] = statistics.median(r[key] for r in results)
+                row["rounds"] = len(results)
+                rows.append(row)
+                print(f"  {name} @ {ctx} {dtype}: {row['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
+    print(markdown(rows))
+    config = {**vars(args), "date": time.strftime("%F"), "machine": machine()}
+    config.pop("one")
+    Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table: decode tokens/s and the ratio to the fastest uncompressed cache at the same context and dtype."""
+    best = {}
+    for r in rows:
+        if r["cache"] in UNCOMPRESSED:
+            key = (r["ctx"], r["dtype"])
+            if key not in best or r["decode_tokens_per_s"] > best[key]["decode_tokens_per_s"]:
+                best[key] = r
+    lines = [
+        "| cache | ctx | dtype | decode tokens/s | vs fastest uncompressed | (which) | warm-up s |",
+        "|---|---:|---|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        ref = best.get((r["ctx"], r["dtype"]))
+        ratio = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x" if ref else "—"
+        lines.append(
+            f"| {r['cache']} | {r['ctx']} | {r['dtype']} | {r['decode_tokens_per_s']:.2f} | {ratio} | "
+            f"{ref['cache'] if ref else '—'} | {r['warmup_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
