@@ -15,6 +15,10 @@ not its content; a real prefill at 128K would take minutes), then `--new` greedy
 benchmarks/results/gpu_decode.json with the device's name.
 
     python benchmarks/gpu_decode.py --e2e                          # ~5 min on one H200 (untimed so far)
+
+`--e2e` ends with compiled decoding (issue 63, `--e2e-compiled`, `--compiled-contexts`): StaticCache against
+`StaticQuantizedKVCache` (q4_0, rotated), each compiled as `generate` compiles it (`mode="reduce-overhead"`: CUDA
+graphs), the same random-weight shapes.
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B --e2e \
         --e2e-contexts 64 --e2e-caches dynamic,delta --new 2 --first-contact 3,48 --out /tmp/gpu_decode.json  # smoke
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B   # smoke
@@ -183,12 +187,13 @@ def _case(q, k, v, scale, args, layout: str) -> dict:
     values.append(v[:, :, sinks:].float())
     query = q.float().view(batch, kv_heads, -1, dim)
     sink_k, sink_v = k[:, :, :sinks].half(), v[:, :, :sinks].half()
-    call = (query, sink_k, sink_v, keys.layout(), values.layout(), rope, None, 1, context - 1, scale)
+    call = (query, sink_k, sink_v, keys.layout(), values.layout())
+    options = dict(rope=rope, mask=None, n_queries=1, causal_offset=context - 1, scale=scale)
 
     def fused():
-        return kernels.stream_attention(*call)
+        return kernels.stream_attention(*call, **options)
 
-    error = (fused() - kernels.reference.stream_attention(*call)).abs().max().item()
+    error = (fused() - kernels.reference.stream_attention(*call, **options)).abs().max().item()
     read = keys.nbytes() + values.nbytes() + sink_k.nbytes + sink_v.nbytes + (positions.nbytes if rope else 0)
     return {"fused": fused, "error": error, "bytes": read}
 
@@ -229,6 +234,45 @@ def _decode_speed(name: str, model, config, cfg: dict, context: int, args: argpa
         token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     _sync(args.device)
     return args.new / (time.perf_counter() - start)
+
+
+COMPILED_CACHES = ("static", "q4_0-rot-static")  # compiled decoding (issue 63): StaticCache against ours
+
+
+@torch.no_grad()
+def compiled_speed(name: str, shape: str, context: int, args: argparse.Namespace) -> float:
+    """Tokens/s of `--new` greedy steps of a random-weight model of `shape` compiled as `generate` compiles it
+    (`fullgraph`, static shapes; on CUDA `mode="reduce-overhead"`: CUDA graphs), over a history of `context` random
+    tokens in a cache of capacity `context + new + 4`: `static` (transformers' StaticCache) or `q4_0-rot-static`
+    (`StaticQuantizedKVCache("q4_0", "q4_0", rotate=True)`)."""
+    from transformers import StaticCache
+
+    from hf_deltakv import StaticQuantizedKVCache
+
+    cfg = SHAPES[shape]
+    model, config = _model(cfg, context, args.device)
+    capacity = context + args.new + 4
+    if name == "static":
+        cache = StaticCache(config=config, max_cache_len=capacity)
+    elif name == "q4_0-rot-static":
+        cache = StaticQuantizedKVCache("q4_0", "q4_0", rotate=True, max_cache_len=capacity, model=model)
+    else:
+        raise ValueError(f"--e2e-compiled takes {COMPILED_CACHES}, got {name!r}")
+    _filled(cache, cfg, context, 1, args)
+    mode = "reduce-overhead" if args.device == "cuda" else None
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
+    token = torch.tensor([[11]], device=args.device)
+    for _ in range(3):  # compile, then record the CUDA graph
+        token = step(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    _sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.new - 3):
+        token = step(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    _sync(args.device)
+    speed = (args.new - 3) / (time.perf_counter() - start)
+    del model, cache, step
+    torch._dynamo.reset()
+    return speed
 
 
 FIRST_CONTACT_CACHES = ("delta", "q8_0", "streaming-llm", "delta:keys=token")  # every kernel family once
@@ -386,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=16, help="decoded tokens timed end to end")
     parser.add_argument("--e2e-caches", default=E2E_CACHES, help="registry specs timed end to end (and 'residual')")
     parser.add_argument("--first-contact", default="64,32768", help="batch,context of --e2e's first check")
+    parser.add_argument("--e2e-compiled", default=",".join(COMPILED_CACHES), help="caches --e2e also times compiled")
+    parser.add_argument("--compiled-contexts", default="8192,32768", help="contexts of the compiled rows")
     parser.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = parser.parse_args(argv)
     predicted = predicted_rows()
@@ -438,6 +484,27 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = r["vs_dynamic"] or {}
                 cells = [f"{n} {v:.1f} tok/s ({ratio.get(n, float('nan')):.2f}x)" for n, v in r["tokens_per_s"].items()]
                 print(f"end to end, {shape} @ {c}: " + ", ".join(cells), flush=True)
+        for c in args.compiled_contexts.split(",") if args.e2e_compiled else ():
+            for shape in shapes:
+                speeds, errors = {}, {}
+                for name in args.e2e_compiled.split(","):
+                    try:
+                        speeds[name] = compiled_speed(name, shape, int(c), args)
+                    except Exception as error:  # recorded, and the other rows still run
+                        errors[name] = f"{type(error).__name__}: {error}"[:500]
+                base = speeds.get("static")
+                e2e.append(
+                    {
+                        "shape": shape,
+                        "context": int(c),
+                        "compiled": True,
+                        "tokens_per_s": speeds,
+                        "errors": errors,
+                        "vs_static": {n: v / base for n, v in speeds.items()} if base else None,
+                    }
+                )
+                write()
+                print(f"compiled, {shape} @ {c}: {speeds} {errors or ''}", flush=True)
     write()
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -109,6 +109,7 @@ CURRENT = (
     "encode_cost.json",
     "long_context.json",
     "value_sensitivity.json",
+    "compiled_decode.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -477,6 +478,20 @@ def results() -> None:
         if _load(name):
             print(f"\n## {heading} (`{name}`)\n\n{how}\n")
             print(long_context_tables(name=name))
+    compiled = _load("compiled_decode.json")
+    if compiled:
+        from compiled_decode import markdown as compiled_table
+
+        cfg = compiled["config"]
+        print(
+            "\n## Compiled decoding on the CPU (`compiled_decode.py`, `compiled_decode.json`)\n\n"
+            f"SmolLM2 through `generate`, {cfg['new']} tokens after the prompt, median of {cfg['rounds']} timed rounds "
+            "per configuration (each in its own process after a warm-up generation that compiles); compiled: "
+            "`CompileConfig(fullgraph=True, dynamic=False, mode=None)` with inductor's C++ code (no CUDA graphs on a "
+            "CPU). Ratios against the fastest uncompressed cache (DynamicCache, StaticCache eager or compiled) at the "
+            "same context and dtype.\n"
+        )
+        print(machine_line(cfg) + compiled_table(compiled["rows"]))
     gpu_path_tables()
     triton_table()
     gpu_prediction_table()

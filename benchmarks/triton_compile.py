@@ -136,7 +136,9 @@ def launches(quick: bool = False) -> list[Launch]:
             query = torch.randn(1, 2, group, dim, generator=g)
             sinks = torch.randn(1, 2, 2, dim, generator=g).to(torch.float16)
             if decode_attention.supports(keys.layout(), values.layout(), mask):  # what the dispatch sends
-                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), angles, mask, 0.1)
+                decode_attention.plain_attention(
+                    query, sinks, sinks, keys.layout(), values.layout(), rope=angles, mask=mask, scale=0.1
+                )
         kivi = (("q4_1", "q4_0", "q8_0"), ("q4_1", "q4_0", "f16"), HEAD_DIMS, GROUPS, (False, True), (False, True))
         for kfmt, vfmt, dim, group, rope, masked in product(*kivi):
             label[0] = (f"KIVI-style {kfmt} keys, {vfmt} values, head_dim {dim}, {group} queries per kv head, "
@@ -150,7 +152,9 @@ def launches(quick: bool = False) -> list[Launch]:
             query = torch.randn(1, 2, group, dim, generator=g)
             sinks = torch.randn(1, 2, 2, dim, generator=g).to(torch.float16)
             if decode_attention.supports(keys.layout(), values.layout(), mask):  # what the dispatch sends
-                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), angles, mask, 0.1)
+                decode_attention.plain_attention(
+                    query, sinks, sinks, keys.layout(), values.layout(), rope=angles, mask=mask, scale=0.1
+                )
             # a completed group's channels quantized into the coded groups' rows (`ChannelGroupCodec._code`)
             tail = torch.randn(1, 2, 32, dim, generator=g).to(torch.float16)
             rows = tail.unflatten(2, (1, 32)).transpose(3, 4).reshape(1, 2, dim, 32)
@@ -170,7 +174,9 @@ def launches(quick: bool = False) -> list[Launch]:
             query = torch.randn(1, 2, group, dim, generator=g)
             sinks = torch.randn(1, 2, 2, dim, generator=g).to(torch.float16)
             if delta_attention.supports(keys.layout(), values.layout(), mask):  # what the dispatch sends
-                delta_attention.delta_attention(query, sinks, sinks, keys.layout(), values.layout(), angles, mask, 0.1)
+                delta_attention.delta_attention(
+                    query, sinks, sinks, keys.layout(), values.layout(), rope=angles, mask=mask, scale=0.1
+                )
             label[0] = f"token-delta keys ({dfmt} deltas), head_dim {dim}, a decoding step's token, RoPE {rope}"
             inner = keys.inner
             rows = kernels.DeltaRows(inner.keyframes, 0, inner.deltas, 0, inner.means, 0, 70, 32, True, True)
@@ -191,7 +197,9 @@ def launches(quick: bool = False) -> list[Launch]:
             mask = torch.ones(1, 1, 4 + 3 * kf, dtype=torch.bool) if masked else None
             query = torch.randn(1, 2, group, dim, generator=g).to(dtype)
             sinks = torch.randn(1, 2, 4, dim, generator=g).to(torch.float16)
-            adaptive_attention.adaptive_attention(query, sinks, sinks, keys, values.layout(), angles, mask, 0.1)
+            adaptive_attention.adaptive_attention(
+                query, sinks, sinks, keys, values.layout(), rope=angles, mask=mask, scale=0.1
+            )
             append.add_query_energy(query, None, 2, None)
             append.undo_rope_into(query, positions[:, :group], freqs if rope else None, None,
                                   torch.empty(1, 2, 64, dim, dtype=torch.float16), 0)  # fmt: skip
@@ -285,23 +293,23 @@ def launches(quick: bool = False) -> list[Launch]:
                 values.append(torch.randn(1, 2, 3 * 32, dim, generator=g))
                 freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
                 angles = RopeAngles(torch.arange(4, 4 + 3 * 32, dtype=torch.int32)[None], freqs)
-                adaptive_attention.adaptive_attention(query, sinks, sinks, keys, values.layout(), angles, mask, 0.1, n,
-                                                      40)  # fmt: skip
+                options = dict(rope=angles, mask=mask, scale=0.1, n_queries=n, causal_offset=40)
+                adaptive_attention.adaptive_attention(query, sinks, sinks, keys, values.layout(), **options)
                 append.add_query_energies(query.flatten(1, 2), None, 2, torch.zeros(1, 2, dim), 30, 32)
             elif kind in ("q4_0", "kivi"):
                 keys = PlainCodec(kind) if kind == "q4_0" else ChannelGroupCodec("q4_1")
                 keys.append(torch.randn(1, 2, 70, dim, generator=g))
                 values = PlainCodec("q4_0")
                 values.append(torch.randn(1, 2, 70, dim, generator=g))
-                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), None, mask, 0.1,
-                                                 None, n, 10)  # fmt: skip
+                options = dict(rope=None, mask=mask, scale=0.1, n_queries=n, causal_offset=10)
+                decode_attention.plain_attention(query, sinks, sinks, keys.layout(), values.layout(), **options)
             elif kind == "token-delta":
                 keys = _token_delta_codec("q4_0_16")
                 keys.append(torch.randn(1, 2, 70, dim, generator=g))
                 values = RotatedCodec(PlainCodec("q4_0"))
                 values.append(torch.randn(1, 2, 70, dim, generator=g))
-                delta_attention.delta_attention(query, sinks, sinks, keys.layout(), values.layout(), None, mask, 0.1,
-                                                n, 10)  # fmt: skip
+                options = dict(rope=None, mask=mask, scale=0.1, n_queries=n, causal_offset=10)
+                delta_attention.delta_attention(query, sinks, sinks, keys.layout(), values.layout(), **options)
             elif kind == "kept":
                 slots = torch.zeros(1, 2, 50, dim, dtype=torch.float16)
                 stream = KeptStream(slots, slots, torch.arange(50, dtype=torch.int32).expand(1, 2, 50), 3, 40)

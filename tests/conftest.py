@@ -130,3 +130,10 @@ def rope_angles(batch: int, length: int, dim: int, g: torch.Generator, case: str
     else:
         positions = 30000 + torch.arange(length).expand(batch, length)
     return RopeAngles(positions.to(torch.int32).contiguous(), freqs)
+
+
+def attend_by_name(attention, query, sink_keys, sink_values, keys, values, rope, mask, n_queries, causal_offset, scale):
+    """`attention` (`kernels.stream_attention`, its reference or the Triton dispatch: options keyword-only) called
+    with its arguments listed in their documented order."""
+    options = dict(rope=rope, mask=mask, n_queries=n_queries, causal_offset=causal_offset, scale=scale)
+    return attention(query, sink_keys, sink_values, keys, values, **options)

@@ -18,7 +18,7 @@ from hf_deltakv.kernels.cpu.stream_attention import supports
 from hf_deltakv.kernels.online_softmax import OnlineSoftmax
 from hf_deltakv.layers import StreamLayer
 
-from .conftest import ARCHS, delta_codec, rope_angles, tiny_compressor, tiny_model
+from .conftest import ARCHS, attend_by_name, delta_codec, rope_angles, tiny_compressor, tiny_model
 
 CACHES = {
     "q4_0": lambda model: QuantizedKVCache("q4_0", "q4_0"),
@@ -229,7 +229,10 @@ def test_stream_attention_kernel_matches_reference(key, value, case):
         mask[1, :, :] = False  # a fully masked row: no key at all
     args = (query, sink_keys, sink_values, keys.layout(), values.layout(), rope, mask, n, sinks + length - n, 0.125)
     torch.testing.assert_close(
-        kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
+        attend_by_name(kernels.stream_attention, *args),
+        attend_by_name(kernels.reference.stream_attention, *args),
+        rtol=2e-4,
+        atol=2e-4,
     )
 
 
@@ -249,7 +252,10 @@ def test_stream_attention_kernel_turns_long_runs_of_positions_exactly(key):
     no_sinks = torch.zeros(batch, heads, 0, dim)
     args = (query, no_sinks, no_sinks, keys.layout(), values.layout(), rope, None, 1, length - 1, 0.125)
     torch.testing.assert_close(
-        kernels.stream_attention(*args), kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4
+        attend_by_name(kernels.stream_attention, *args),
+        attend_by_name(kernels.reference.stream_attention, *args),
+        rtol=2e-4,
+        atol=2e-4,
     )
 
 
@@ -317,12 +323,14 @@ def test_stream_attention_kernel_reads_buffers_with_room_in_place(key):
     rope = rope_angles(batch, length, dim, g)
 
     def attend(stream):
-        return kernels.stream_attention(query, no_sinks, no_sinks, stream, values, rope, None, 1, length - 1, 0.125)
+        return attend_by_name(
+            kernels.stream_attention, query, no_sinks, no_sinks, stream, values, rope, None, 1, length - 1, 0.125
+        )
 
     served = attend(roomy)
     assert torch.equal(served, attend(keys))
     args = (query, no_sinks, no_sinks, roomy, values, rope, None, 1, length - 1, 0.125)
-    torch.testing.assert_close(served, kernels.reference.stream_attention(*args), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(served, attend_by_name(kernels.reference.stream_attention, *args), rtol=2e-4, atol=2e-4)
 
 
 def test_cpu_kernel_builds_and_reads_the_default_delta_cache():
@@ -351,7 +359,9 @@ def test_forced_reference_never_calls_the_kernel(monkeypatch):
     keys, values = _stream(CODECS["q4_0"], 20, 1, 1, 64, 0), _stream(CODECS["q4_0"], 20, 1, 1, 64, 1)
     sinks = torch.zeros(1, 1, 0, 64)
     query = torch.randn(1, 1, 2, 64)
-    kernels.stream_attention(query, sinks, sinks, keys.layout(), values.layout(), None, None, 1, 19, 0.125)
+    attend_by_name(
+        kernels.stream_attention, query, sinks, sinks, keys.layout(), values.layout(), None, None, 1, 19, 0.125
+    )
 
 
 @pytest.mark.parametrize("name", ["delta", "delta-rot", "kivi", "q4_1"])

@@ -68,6 +68,23 @@ def test_generate_compiles_once_and_decodes_as_eager(formats, rotate, dtype):
         assert not any(t[:, :, held:].any() for t in layer.tensors())  # the rest of the capacity untouched
 
 
+def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
+    """The Triton path under the interpreter (as on a GPU: the prompt quantized by the Triton append kernel, every
+    decoding step's attention by the Triton kernels inside `hf_deltakv::plain_attention`), compiled by inductor
+    around the op: one graph, the tokens of eager decoding on the same path."""
+    import hf_deltakv.kernels
+
+    monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
+    monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
+    model = tiny_model()
+    make = lambda: StaticQuantizedKVCache("q8_0", "q4_0", rotate=True, max_cache_len=80, model=model)  # noqa: E731
+    expected = generate(model, make())
+    torch._dynamo.reset()
+    compiles = []
+    assert torch.equal(generate(model, make(), counting_config(compiles)), expected)
+    assert len(compiles) == 1
+
+
 @pytest.mark.parametrize(("formats", "rotate"), [(("q8_0", "q4_0"), True), (("q4_1", "q3_0"), False)])
 def test_compiled_step_stores_the_bytes_of_the_growing_cache(formats, rotate):
     """Given the same keys and values (a model's numerics differ between eager and compiled decoding, and so do the

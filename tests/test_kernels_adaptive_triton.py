@@ -13,6 +13,8 @@ from hf_deltakv.kernels import reference
 from hf_deltakv.kernels.layout import RopeAngles
 from hf_deltakv.quant import QuantizedTensor, get_format
 
+from .conftest import attend_by_name
+
 pytest.importorskip("triton", reason="needs the triton extra")
 
 FREQS = {d: 10000.0 ** -(torch.arange(d // 2, dtype=torch.float64) / (d // 2)) for d in (32, 64, 128)}
@@ -216,9 +218,9 @@ def test_adaptive_attention_matches_the_reference(
         mask[0, :, : sinks + 9] = False  # left padding of the first row
         mask[-1, :, sinks + 3 :: 5] = False
     assert supports(keys, values, mask)
-    want = reference.stream_attention(query.float(), sink_keys, sink_values, keys, values, angles, mask, 1,
-                                      sinks + length - 1, dim**-0.5)  # fmt: skip
-    got = adaptive_attention(query, sink_keys, sink_values, keys, values, angles, mask, dim**-0.5)
+    want = attend_by_name(reference.stream_attention, query.float(), sink_keys, sink_values, keys, values, angles, mask,
+                          1, sinks + length - 1, dim**-0.5)  # fmt: skip
+    got = adaptive_attention(query, sink_keys, sink_values, keys, values, rope=angles, mask=mask, scale=dim**-0.5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -229,11 +231,12 @@ def test_adaptive_attention_over_a_tail_only_and_nothing_visible():
     keys, values = _streams(1, 2, 20, 32, 32, 4, "q4_0", True, g, tail_only=True)
     query = torch.randn(1, 2, 2, 32, generator=g)
     none = torch.zeros(1, 2, 0, 32)
-    want = reference.stream_attention(query, none, none, keys, values, None, None, 1, 19, 0.2)
-    torch.testing.assert_close(adaptive_attention(query, none, none, keys, values, None, None, 0.2), want,
-                               atol=2e-5, rtol=2e-5)  # fmt: skip
+    want = attend_by_name(reference.stream_attention, query, none, none, keys, values, None, None, 1, 19, 0.2)
+    got = adaptive_attention(query, none, none, keys, values, rope=None, mask=None, scale=0.2)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     hidden = torch.zeros(1, 1, 20, dtype=torch.bool)
-    assert torch.equal(adaptive_attention(query, none, none, keys, values, None, hidden, 0.2), torch.zeros_like(query))
+    got = adaptive_attention(query, none, none, keys, values, rope=None, mask=hidden, scale=0.2)
+    assert torch.equal(got, torch.zeros_like(query))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -320,7 +323,7 @@ def test_a_chunk_of_queries_matches_the_reference(keys_kind, n, group_size, dim,
         mask[0, :, 1 : sinks + 9] = False
         mask[-1, :, sinks + 20 : sinks + 26] = False
     args = (query, sink_keys, sink_values, keys, values, angles, mask, n, offset, dim**-0.5)
-    want = reference.stream_attention(*args)
-    got = stream_attention(*args)  # what the dispatch sends a CUDA device's chunk to (None: not served)
+    want = attend_by_name(reference.stream_attention, *args)
+    got = attend_by_name(stream_attention, *args)  # what the dispatch sends a CUDA device's chunk to (None: not served)
     assert got is not None
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -117,10 +117,11 @@ def test_plain_decode_attention_matches_reference(k_fmt, v_fmt, batch, q_heads, 
         mask[0, :, 1 : sinks + 7] = False
     assert supports(keys.layout(), values.layout(), mask)
     sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
-    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), angles, mask)
-    expected = reference.stream_attention(*args, 1, sinks + tokens - 1, dim**-0.5)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout())
+    expected = reference.stream_attention(*args, rope=angles, mask=mask, n_queries=1, causal_offset=sinks + tokens - 1,
+                                          scale=dim**-0.5)  # fmt: skip
     for splits in (1, 3):
-        got = plain_attention(*args, dim**-0.5, splits=splits)
+        got = plain_attention(*args, rope=angles, mask=mask, scale=dim**-0.5, splits=splits)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -159,10 +160,11 @@ def test_kivi_decode_attention_matches_reference(k_fmt, v_fmt, batch, q_heads, k
         mask[-1, :, : sinks + 5] = False
     assert supports(keys.layout(), values.layout(), mask)
     sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
-    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), angles, mask)
-    expected = reference.stream_attention(*args, 1, sinks + tokens - 1, dim**-0.5)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout())
+    expected = reference.stream_attention(*args, rope=angles, mask=mask, n_queries=1, causal_offset=sinks + tokens - 1,
+                                          scale=dim**-0.5)  # fmt: skip
     for splits in (1, 2):
-        got = plain_attention(*args, dim**-0.5, splits=splits)
+        got = plain_attention(*args, rope=angles, mask=mask, scale=dim**-0.5, splits=splits)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -184,7 +186,7 @@ def test_plain_decode_attention_reads_storage_through_its_strides():
     for k, v in (views, compact):
         streams = (PlainStream(k, dim, tokens), PlainStream(v, dim, tokens))
         assert supports(*streams, None)
-        outs.append(plain_attention(query, sink, sink, *streams, None, None, 0.3))
+        outs.append(plain_attention(query, sink, sink, *streams, rope=None, mask=None, scale=0.3))
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
@@ -369,9 +371,10 @@ def test_fused_delta_attention_matches_reference(kf, dim, tokens, rotate, rope, 
     query = torch.randn(batch, kv_heads, group * n, dim, dtype=torch.bfloat16).float()
     angles = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(1), rope) if rope else None
     sink_kv = torch.randn(batch, kv_heads, sinks, dim)
-    args = (query, sink_kv, sink_kv, keys, stored, angles, mask)
-    expected = reference.stream_attention(*args, n, sinks + tokens - n, 0.2)
-    got = delta_attention(*args, 0.2, n, sinks + tokens - n, per_split)
+    args = (query, sink_kv, sink_kv, keys, stored)
+    options = dict(rope=angles, mask=mask, n_queries=n, causal_offset=sinks + tokens - n, scale=0.2)
+    expected = reference.stream_attention(*args, **options)
+    got = delta_attention(*args, **options, groups_per_split=per_split)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -391,8 +394,9 @@ def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monke
     query = torch.randn(batch, kv_heads, group, dim)
     sink_keys, sink_values = torch.randn(batch, kv_heads, sinks, dim), torch.randn(batch, kv_heads, sinks, dim)
     rope = rope_angles(batch, tokens, dim, torch.Generator().manual_seed(2))
-    args = (query, sink_keys, sink_values, keys.layout(), values.layout(), rope, None, 1, sinks + tokens - 1, 0.25)
-    expected = reference.stream_attention(*args)
+    args = (query, sink_keys, sink_values, keys.layout(), values.layout())
+    options = dict(rope=rope, mask=None, n_queries=1, causal_offset=sinks + tokens - 1, scale=0.25)
+    expected = reference.stream_attention(*args, **options)
     called = []
     module, name = (
         (delta_attention, "delta_attention") if keys_kind == "delta" else (decode_attention, "plain_attention")
@@ -400,5 +404,5 @@ def test_dispatch_sends_streams_to_the_triton_kernels_and_merges_the_sinks(monke
     original = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: called.append(1) or original(*a, **k))
     monkeypatch.setattr(kernels, "use_triton", lambda device: True)
-    torch.testing.assert_close(kernels.stream_attention(*args), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.stream_attention(*args, **options), expected, atol=1e-4, rtol=1e-4)
     assert called

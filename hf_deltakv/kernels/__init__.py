@@ -441,6 +441,7 @@ def stream_attention(
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
+    *,
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     n_queries: int,
@@ -458,11 +459,11 @@ def stream_attention(
     query per head or a chunk of up to 64, and `triton/delta_attention.py` over delta keys and plain values (one
     query). Anything else goes to the chunked reference.
     """
-    args = (rope, mask, n_queries, causal_offset, scale)
+    options = dict(rope=rope, mask=mask, n_queries=n_queries, causal_offset=causal_offset, scale=scale)
     if use_triton(query.device):
         from .triton import stream_attention as triton_attention
 
-        out = triton_attention(query, sink_keys, sink_values, keys, values, *args)
+        out = triton_attention(query, sink_keys, sink_values, keys, values, **options)
         if out is not None:
             return out
     if query.dim() == 5:  # (the other paths read rows: a copy where transformers' layout is not theirs)
@@ -475,9 +476,9 @@ def stream_attention(
             from .cpu.stream_attention import supports
 
             if supports(keys, values):
-                cpu_args = (_rope_arguments(rope, query.new_empty(0)), *args[1:])
-                return kernel(query, sink_keys, sink_values, keys, values, *cpu_args, compiled)
-    return reference.stream_attention(query, sink_keys, sink_values, keys, values, *args)
+                cpu_options = {**options, "rope": _rope_arguments(rope, query.new_empty(0))}
+                return kernel(query, sink_keys, sink_values, keys, values, **cpu_options, extension=compiled)
+    return reference.stream_attention(query, sink_keys, sink_values, keys, values, **options)
 
 
 def keep_rows(

@@ -50,7 +50,8 @@ def plain_attention(
     values = _stream(v_codes, v_scales, v_mins, v_format, value_dim, rotate)
     sink_keys = query.new_empty(batch, heads, 0, dim, dtype=torch.float32)
     sink_values = query.new_empty(batch, heads, 0, value_dim, dtype=torch.float32)
-    out = stream_attention(query, sink_keys, sink_values, keys, values, None, mask, n, keys.length - n, scale)
+    out = stream_attention(query, sink_keys, sink_values, keys, values, rope=None, mask=mask, n_queries=n,
+                           causal_offset=keys.length - n, scale=scale)  # fmt: skip
     return out.float().contiguous()
 
 

@@ -661,6 +661,7 @@ def stream_attention(
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
+    *,
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     n_queries: int,

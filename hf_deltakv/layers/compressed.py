@@ -124,11 +124,11 @@ class CompressedLayer(StreamLayer):
             sink_values,
             self.key_codec.layout(),
             self.value_codec.layout(),
-            rope,
-            mask[:, 0] if mask is not None else None,
-            n,
-            self.cumulative_length - self._first_stored() - n,
-            scale,
+            rope=rope,
+            mask=mask[:, 0] if mask is not None else None,
+            n_queries=n,
+            causal_offset=self.cumulative_length - self._first_stored() - n,
+            scale=scale,
         )
         return out.reshape(batch, q_heads, n, self.value_dim)
 

@@ -36,6 +36,7 @@ def stream_attention(
     sink_values: torch.Tensor,
     keys: StreamLayout,
     values: StreamLayout,
+    *,
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     n_queries: int,
@@ -45,6 +46,7 @@ def stream_attention(
     """`reference.stream_attention` through the Triton kernel that reads these streams (adaptive, plain, KIVI-style or
     token-delta keys: up to `common.MAX_QUERIES` queries per head, the sink tokens merged by the kernels); None when
     no kernel reads them."""
+    options = dict(rope=rope, mask=mask, n_queries=n_queries, causal_offset=causal_offset, scale=scale)
     if not isinstance(values, PlainStream):
         return None
     if isinstance(keys, AdaptiveStream):
@@ -52,19 +54,17 @@ def stream_attention(
 
         if not supports(keys, values, mask, n_queries):
             return None
-        return adaptive_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, n_queries,
-                                  causal_offset)  # fmt: skip
+        return adaptive_attention(query, sink_keys, sink_values, keys, values, **options)
     if isinstance(keys, (PlainStream, ChannelStream)):
         from .decode_attention import plain_attention, supports
 
         if not supports(keys, values, mask, n_queries):
             return None
-        return plain_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, None, n_queries,
-                               causal_offset)  # fmt: skip
+        return plain_attention(query, sink_keys, sink_values, keys, values, **options)
     if not isinstance(keys, DeltaStream):
         return None
     from .delta_attention import delta_attention, supports
 
     if not supports(keys, values, mask, n_queries):
         return None
-    return delta_attention(query, sink_keys, sink_values, keys, values, rope, mask, scale, n_queries, causal_offset)
+    return delta_attention(query, sink_keys, sink_values, keys, values, **options)

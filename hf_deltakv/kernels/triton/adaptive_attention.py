@@ -319,6 +319,7 @@ def adaptive_attention(
     sink_values: torch.Tensor,
     keys: AdaptiveStream,
     values: PlainStream,
+    *,
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     scale: float,

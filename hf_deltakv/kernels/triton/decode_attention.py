@@ -282,6 +282,7 @@ def plain_attention(
     sink_values: torch.Tensor,
     keys: PlainStream | ChannelStream,
     values: PlainStream,
+    *,
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     scale: float,

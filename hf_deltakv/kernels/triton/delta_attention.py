@@ -152,6 +152,7 @@ def delta_attention(
     sink_values: torch.Tensor,
     keys: DeltaStream,
     values: PlainStream,
+    *,
     rope: RopeAngles | None,
     mask: torch.Tensor | None,
     scale: float,
