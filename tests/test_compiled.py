@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._inductor.config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import CompileConfig
 from transformers.cache_utils import StaticCache
 
@@ -177,3 +179,33 @@ def test_other_attentions_get_the_decoded_history():
     cache = StaticQuantizedKVCache("q8_0", "q8_0", max_cache_len=24, model=model)
     ids = model.generate(prompt(), max_new_tokens=4, do_sample=False, cache=cache)
     assert ids.shape[1] == 13 and all(layer.packed is None for layer in cache.layers)
+
+
+@settings(max_examples=12, deadline=None)
+@given(chunks=st.lists(st.integers(1, 5), min_size=1, max_size=6), cut=st.integers(0, 4), more=st.integers(1, 4))
+def test_updates_and_crops_store_what_the_growing_cache_stores(chunks, cut, more):
+    """Any sequence of eager updates, a crop and more updates: the bytes `QuantizedKVCache` holds for the same
+    sequence, the crop's slots rewritten by the next tokens."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(sum(chunks) + cut)
+    static = StaticQuantizedKVCache("q4_0", "q8_0", rotate=True, max_cache_len=40, model=model)
+    grown = QuantizedKVCache("q4_0", "q8_0", rotate=True)
+
+    def feed(n):
+        keys, values = torch.randn(2, 1, n, 32, generator=g), torch.randn(2, 1, n, 32, generator=g)
+        for cache in (static, grown):
+            cache.update(keys, values, 0)
+
+    for n in chunks:
+        feed(n)
+    cut = min(cut, sum(chunks) - 1)
+    if cut:
+        static.crop(-cut)
+        grown.crop(-cut)
+    feed(more)
+    held = sum(chunks) - cut + more
+    assert int(static.layers[0].cumulative_length) == held == grown.get_seq_length()
+    reference = grown.layers[0]
+    for stored, codec in zip(static.layers[0].stored, (reference.key_codec, reference.value_codec), strict=True):
+        for a, b in zip(stored.tensors(), codec.layout().blocks.tensors(), strict=True):
+            assert torch.equal(a[:, :, :held], b[:, :, :held])

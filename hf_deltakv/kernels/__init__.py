@@ -38,6 +38,9 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     encode_latent_into cpu undo_rope + quantize_latent | triton/residual.py (RoPE undone, encoded, quantized, packed)
     latent_stream_attention -                      | triton/residual.py (one query per head: split, merge)
     sparse_matvec      cpu/sparse_matvec.cpp       | triton/sparse_matvec.py
+
+Compiled decoding calls ops registered with `torch.library` (`ops.py`: tensors and scalars in, a fake
+implementation each): `hf_deltakv::plain_attention` runs `stream_attention` above over plain streams.
 """
 
 from __future__ import annotations

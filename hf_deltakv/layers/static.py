@@ -78,8 +78,9 @@ class PackedStaticLayer(StaticLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Code the new tokens into their slots (after `cumulative_length`) and return the decoded capacity, keys and
-        values `[batch, heads, max_cache_len, dim]` in the input dtype."""
+        """Code the new tokens into their slots (after `cumulative_length`) and return keys and values `[batch, heads,
+        max_cache_len, dim]` in the input dtype: for one new token `attention.packed` placeholders (SDPA on them
+        reads the storage), else the decoded capacity."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
