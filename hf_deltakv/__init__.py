@@ -12,7 +12,7 @@ from .cache import (
     StreamingLLMCache,
 )
 from .residual.cache import ResidualKVCache
-from .static import StaticQuantizedKVCache
+from .static import StaticDeltaKVCache, StaticQuantizedKVCache
 from .weight_skip import SkipSimulator, enable_weight_skip
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "ResidualKVCache",
     "SkipSimulator",
     "SnapKVCache",
+    "StaticDeltaKVCache",
     "StaticQuantizedKVCache",
     "StreamingLLMCache",
     "enable_weight_skip",

@@ -11,8 +11,36 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache import model_layer_types, text_config
-from .layers.static import PackedStaticLayer
+from .layers.static import PackedDeltaLayer, PackedStaticLayer, SharedPositions
 from .quant import get_format
+
+
+def _check_capacity(max_cache_len: int, model) -> None:
+    """`max_cache_len` a positive integer, `model` a model whose every layer attends fully."""
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError("max_cache_len needs the model (model=...): every layer's storage is made up front")
+    kinds = set(model_layer_types(model))
+    if kinds != {"full_attention"}:
+        raise ValueError(
+            f"max_cache_len serves models whose every layer attends fully for now; this one has {sorted(kinds)} "
+            "layers: leave max_cache_len out (the cache then grows as needed and is not compiled)"
+        )
+
+
+def _check_capacity(max_cache_len: int, model) -> None:
+    """`max_cache_len` a positive integer, `model` a model whose every layer attends fully."""
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError("max_cache_len needs the model (model=...): every layer's storage is made up front")
+    kinds = set(model_layer_types(model))
+    if kinds != {"full_attention"}:
+        raise ValueError(
+            f"max_cache_len serves models whose every layer attends fully for now; this one has {sorted(kinds)} "
+            "layers: leave max_cache_len out (the cache then grows as needed and is not compiled)"
+        )
 
 
 class StaticQuantizedKVCache(Cache):
@@ -39,19 +67,10 @@ class StaticQuantizedKVCache(Cache):
     def __init__(
         self, k_format: str = "q4_0", v_format: str = "q4_0", rotate: bool = False, *, max_cache_len: int, model
     ) -> None:
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
-        if not isinstance(model, nn.Module):
-            raise ValueError("max_cache_len needs the model (model=...): every layer's storage is made up front")
+        _check_capacity(max_cache_len, model)
         get_format(k_format), get_format(v_format)
         if not isinstance(rotate, bool):
             raise ValueError(f"rotate must be True or False, got {rotate!r}")
-        kinds = set(model_layer_types(model))
-        if kinds != {"full_attention"}:
-            raise ValueError(
-                f"max_cache_len serves models whose every layer attends fully for now; this one has {sorted(kinds)} "
-                "layers: leave max_cache_len out (the cache then grows as needed and is not compiled)"
-            )
         self.max_cache_len = max_cache_len
         self.options = {"k_format": k_format, "v_format": v_format, "rotate": rotate, "max_cache_len": max_cache_len}
         layers = len(model_layer_types(model))
@@ -66,3 +85,63 @@ class StaticQuantizedKVCache(Cache):
     def used_nbytes(self) -> int:
         """Bytes of the tokens held so far (what the same cache grown as needed holds)."""
         return sum(layer.used_nbytes() for layer in self.layers)
+
+
+class StaticDeltaKVCache(Cache):
+    """`DeltaKVCache` whose decoding step compiles: each layer's storage holds `max_cache_len` tokens from the first
+    forward on and is written in place (`layers.static.PackedDeltaLayer`).
+
+    The coding of `DeltaKVCache(kf, key_bits, values, ...)` (adaptive per-channel key groups before RoPE, rotated
+    per-token values, raw sinks), the same bytes and tokens: a prompt runs `DeltaKVCache`'s own layers, a decoding
+    step two ops per layer (`kernels.ops`). `nbytes()` counts the capacity, `used_nbytes()` what the tokens held
+    fill. Needs the model (`model=`), SDPA attention (transformers' default) and full-attention layers.
+
+    Args:
+        kf, key_bits, values: as `DeltaKVCache` (its defaults when None).
+        max_cache_len: tokens the cache can hold (prompt and new tokens).
+        model: the model.
+        options: `DeltaKVCache`'s other options (`rotate`, `search_scale`, `sink_tokens`, `query_weights`,
+            `clip_range`, `bits`), `keys="channel"` only.
+
+    >>> # cache = StaticDeltaKVCache(kf=32, max_cache_len=4096, model=model)
+    >>> # model.generate(**inputs, cache=cache, compile_config=CompileConfig(fullgraph=True, dynamic=False))
+    """
+
+    def __init__(self, kf: int = 32, key_bits=None, values=None, *, max_cache_len: int, model, **options) -> None:
+        from .cache import DEFAULT_KEY_BITS, DEFAULT_VALUES, DeltaKVCache
+
+        _check_capacity(max_cache_len, model)
+        if options.get("keys", "channel") != "channel":
+            raise ValueError("max_cache_len serves keys='channel' (DeltaKVCache's default)")
+        if getattr(text_config(model), "_attn_implementation", None) != "sdpa":
+            raise ValueError(
+                "a DeltaKVCache with max_cache_len needs attn_implementation='sdpa' (transformers' default): its "
+                "compiled step answers scaled_dot_product_attention from the codes"
+            )
+        key_bits = DEFAULT_KEY_BITS if key_bits is None else key_bits
+        values = DEFAULT_VALUES if values is None else values
+        self.eager = DeltaKVCache(kf, key_bits, values, model=model, **options)
+        self.max_cache_len, self.kf = max_cache_len, kf
+        self.options = {**self.eager.options, "max_cache_len": max_cache_len}
+        self.shared = SharedPositions()
+        count = len(model_layer_types(model))
+        super().__init__(layers=[PackedDeltaLayer(self.eager._new_layer(i), max_cache_len, self.shared,
+                                                  i == count - 1) for i in range(count)])  # fmt: skip
+
+    def nbytes(self) -> int:
+        """Bytes held: every layer's storage for `max_cache_len` tokens and the shared positions (allocated at the
+        first forward)."""
+        return sum(layer.nbytes() for layer in self.layers) + self.shared.nbytes()
+
+    def used_nbytes(self) -> int:
+        """Bytes the tokens held fill (what `DeltaKVCache` holds for them, less its buffers' room)."""
+        held = int(self.layers[0].counts[0]) if self.layers else 0
+        positions = 0 if self.shared.ids is None else self.shared.ids.shape[0] * held * 4
+        return sum(layer.used_nbytes() for layer in self.layers) + positions
+
+    def bits_per_element(self) -> float:
+        """8 × used_nbytes() / cached key and value scalars (as `DeltaKVCache.bits_per_element`)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        elements = sum(layer.batch_size * layer.num_heads * int(layer.counts[0]) * (layer.k_head_dim + layer.v_head_dim)
+                       for layer in layers)  # fmt: skip
+        return 8 * self.used_nbytes() / elements if elements else 0.0

@@ -9,7 +9,8 @@ answered by the layer (`layer.attend_packed(query, mask, scale)`), which reads i
 `__torch_function__` of such a subclass like any Python function, so the step stays one graph.
 
 The layer is duck-typed: `attend_packed(query [batch, heads, n, dim], mask bool [batch, 1, n, slots] or None,
-scale) -> [batch, heads, n, value_dim]`.
+scale) -> [batch, heads, n, value_dim]`; no mask is causal (the queries are the last `n` tokens held: SDPA's
+`is_causal` over a prompt's own keys, as transformers asks it of a prompt into an empty static cache).
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def _attend(layer, call: dict) -> torch.Tensor:
     key, value, mask = call["key"], call["value"], call.get("attn_mask")
     if not (isinstance(key, PackedKV) and isinstance(value, PackedKV)):
         raise RuntimeError("scaled_dot_product_attention was given a compiled cache's keys or values with other ones")
-    if type(key).which != 0 or type(value).which != 1 or call.get("dropout_p", 0.0) or call.get("is_causal", False):
+    if type(key).which != 0 or type(value).which != 1 or call.get("dropout_p", 0.0):
         raise RuntimeError("a compiled cache layer serves scaled_dot_product_attention(query, keys, values, mask)")
+    if call.get("is_causal", False) and (mask is not None or key.shape[-2] != call["query"].shape[-2]):
+        # (transformers' prompt into an empty static cache: no mask, causal over the prompt's own keys)
+        raise RuntimeError("a compiled cache layer serves is_causal=True only over as many keys as queries, unmasked")
     if mask is not None and mask.dtype != torch.bool:
         raise RuntimeError(f"a compiled cache layer takes a boolean attention mask, got {mask.dtype}")
     query = call["query"]

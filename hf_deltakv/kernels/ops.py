@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import QuantizedTensor, get_format
+from ..quant import FP16_MAX, QuantizedTensor, get_format
 from .hadamard import rotation_block
-from .layout import PlainStream
+from .layout import AdaptiveStream, PlainStream, RopeAngles
+from .online_softmax import OnlineSoftmax
 
 
 def _stream(codes: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, fmt: str, dim: int,
@@ -60,3 +61,184 @@ def _(query, k_codes, k_scales, k_mins, v_codes, v_scales, v_mins, mask, *, k_fo
       scale):  # fmt: skip
     batch, heads, group, n, _ = query.shape
     return query.new_empty(batch, heads, group * n, value_dim, dtype=torch.float32)
+
+
+# --- DeltaKVCache's layers (`layers.static.PackedDeltaLayer`) ---------------------------------------------------------
+# A decoding step of such a layer is two ops over storage preallocated for `max_cache_len` tokens: `adaptive_append`
+# (the new token into its slot) and `adaptive_attention` (the queries observed, the key group the token completes
+# coded, attention read from the codes). Their counters, `counts` int64 `[4]`, live on the host (read without a
+# device sync): the tokens held (sinks included), the key groups coded, the query positions observed, and the
+# position up to which the query energies kept in `before` were summed (0: none kept). The ops run the steps that
+# `layers.compressed`, `codecs.adaptive` and `codecs.plain` run eagerly, through the same dispatched kernels: the
+# same bytes.
+TOKENS, CODED, OBSERVED, BEFORE = range(4)
+
+
+def _values(codes, scales, mins, fmt: str, dim: int) -> QuantizedTensor:
+    return QuantizedTensor(get_format(fmt), dim, codes, scales, mins)
+
+
+def _tail_row(stream_token: int, coded: int, group: int, pad: int) -> int:
+    """The row of the raw tail where stream token `stream_token` sits (the tail holds the open group's tokens; the
+    stream's first group starts `pad` slots early)."""
+    return stream_token - (coded * group - pad if coded else 0)
+
+
+@torch.library.custom_op(
+    "hf_deltakv::adaptive_append",
+    mutates_args=("sink_keys", "sink_values", "tail", "v_codes", "v_scales", "v_mins", "positions", "counts"),
+)
+def adaptive_append(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    tail: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    v_mins: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    group: int,
+    pad: int,
+    v_format: str,
+    search_scale: bool,
+    rotation: int,
+) -> None:
+    """One new token of a layer (`key` after RoPE and `value` `[batch, kv_heads, 1, dim]`, at `position_ids` int
+    `[batch, 1]`) into its slot: while fewer than `sink_keys.shape[2]` tokens are held, raw into the sinks (fp16
+    saturates); else the key turned back by its RoPE (`freqs` float64, `order`; None: as given) into the raw `tail`
+    fp16 `[batch, kv_heads, group, dim]` of the open key group (the stream's first group starts `pad` slots early), and
+    the value quantized (`v_format`, scale searched with `search_scale`, Hadamard-rotated by blocks of `rotation`, 0:
+    not) into its row of the values' storage `[batch, kv_heads, capacity, ...]`. `positions` int32 `[batch,
+    max_cache_len]` records the position; `counts[TOKENS]` advances."""
+    from . import quantize_at, undo_rope_into
+
+    held, coded, sinks = int(counts[TOKENS]), int(counts[CODED]), sink_keys.shape[2]
+    positions[:, held] = position_ids[:, 0]
+    if held < sinks:
+        for target, x in ((sink_keys, key), (sink_values, value)):
+            x = x.clamp(-FP16_MAX, FP16_MAX) if target.dtype == torch.float16 else x
+            target[:, :, held] = x[:, :, 0].to(target.dtype)
+    else:
+        token = held - sinks
+        ids = positions[:, held : held + 1] if freqs is not None else None
+        undo_rope_into(key, ids, freqs, order, tail, _tail_row(token, coded, group, pad))
+        values = _values(v_codes, v_scales, v_mins, v_format, value.shape[-1])
+        quantize_at(value, v_format, search_scale, values, token, rotation)
+    counts[TOKENS] += 1
+
+
+@adaptive_append.register_fake
+def _(key, value, position_ids, sink_keys, sink_values, tail, v_codes, v_scales, v_mins, positions, freqs, order,
+      counts, *, group, pad, v_format, search_scale, rotation):  # fmt: skip
+    return None
+
+
+@torch.library.custom_op(
+    "hf_deltakv::adaptive_attention", mutates_args=("planes", "depths", "low", "step", "energy", "before", "counts")
+)
+def adaptive_attention(
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    planes: torch.Tensor,
+    depths: torch.Tensor,
+    low: torch.Tensor,
+    step: torch.Tensor,
+    tail: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    v_mins: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    energy: torch.Tensor,
+    before: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    pad: int,
+    total_bits: int,
+    clip_range: bool,
+    query_weights: bool,
+    v_format: str,
+    rotation: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a decoding step's `query` `[batch, heads, n, dim]` (as SDPA is given it: after RoPE, the model's
+    channel order; `heads` a multiple of the kv heads, `n` rows of one position) over a layer's tokens, the steps of
+    `CompressedLayer` with `AdaptiveChannelCodec` keys and plain values: the query energies added to the running sum
+    `energy` (with `query_weights`), the key group the newest token completed coded (depths spending `total_bits` per
+    token as the energies summed in `before` weigh the channels; `clip_range`) into its rows of `planes`, `depths`,
+    `low`, `step` `[batch, kv_heads, groups, ...]`, then attention over the sinks, the coded groups, the raw tail and
+    the values, read from the codes (`kernels.stream_attention`), under `mask` bool `[batch, n, max_cache_len]`
+    (None: causal). Returns fp32 `[batch, heads, n, value_dim]`."""
+    from . import add_query_energy, code_groups, stream_attention
+
+    held, coded, observed, summed = counts.tolist()
+    batch, heads, n, dim = query.shape
+    sinks, kv_heads, value_dim = sink_keys.shape[2], sink_keys.shape[1], sink_values.shape[-1]
+    group = planes.shape[-1] * 8
+    new_energy = None
+    if query_weights and held - 1 >= observed:  # (a position is observed once)
+        new_energy = add_query_energy(query, order, kv_heads, energy if observed else None)
+    stream = max(held - sinks, 0)
+    if stream and (pad + stream) % group == 0 and (pad + stream) // group > coded:  # the group is complete
+        first = pad if coded == 0 else 0
+        weights = before.unsqueeze(2) / summed if summed else None
+        code_groups(tail[:, :, : group - first], first, 1, weights, total_bits, clip_range,
+                    (planes, depths, low, step), coded)  # fmt: skip
+        coded += 1
+    if new_energy is not None:
+        energy.copy_(new_energy)
+        observed = held
+        if observed % group == 0 and observed // group >= coded + (sinks - pad) // group:  # the next group's sum
+            before.copy_(new_energy)
+            summed = observed
+    counts.copy_(torch.tensor([held, coded, observed, summed]))
+    mask = None if mask is None else mask[:, :, :held]
+    sink_k, sink_v = sink_keys[:, :, : min(held, sinks)], sink_values[:, :, : min(held, sinks)]
+    if not stream:  # sinks only (a prompt shorter than the sinks): the generic path, as the eager layer takes it
+        state = OnlineSoftmax(query, scale, None if mask is None else mask[:, None], held)
+        state.add(sink_k, sink_v)
+        return state.result()
+    if order is not None:  # stored keys are canonical: so are the queries and sinks they meet
+        query, sink_k = query[..., order], sink_k[..., order]
+    tokens = coded * group - pad if coded else 0
+    keys = AdaptiveStream(
+        planes=planes[:, :, :coded] if coded else None,
+        bits=depths[:, :, :coded] if coded else None,
+        low=low[:, :, :coded] if coded else None,
+        step=step[:, :, :coded] if coded else None,
+        tail=tail[:, :, : stream - tokens],
+        group=group,
+        offset=pad,
+        dim=dim,
+        length=stream,
+    )
+    values = _values(v_codes, v_scales, v_mins, v_format, value_dim).map(lambda t: t[:, :, :stream])
+    out = stream_attention(
+        query.unflatten(1, (kv_heads, heads // kv_heads)),
+        sink_k,
+        sink_v,
+        keys,
+        PlainStream(values, value_dim, stream, rotation),
+        rope=RopeAngles(positions[:, sinks:held], freqs) if freqs is not None else None,
+        mask=mask,
+        n_queries=n,
+        causal_offset=held - n,
+        scale=scale,
+    )
+    return out.float().reshape(batch, heads, n, value_dim)
+
+
+@adaptive_attention.register_fake
+def _(query, mask, sink_keys, sink_values, planes, depths, low, step, tail, v_codes, v_scales, v_mins, positions,
+      freqs, order, energy, before, counts, *, pad, total_bits, clip_range, query_weights, v_format, rotation,
+      scale):  # fmt: skip
+    return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)

@@ -17,11 +17,12 @@ dtype instead (unwritten slots decode to zeros).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
 from .. import kernels
 from ..attention.packed import packed_classes, packed_pair
-from ..kernels import ops  # noqa: F401  (registers hf_deltakv::plain_attention)
+from ..kernels import ops  # (registers the hf_deltakv ops)
 from ..kernels.hadamard import rotate, rotation_block
 from ..quant import QuantizedTensor, check_search_scale, dequantize, get_format, quantize, saturate_fp16
 
@@ -171,3 +172,286 @@ class PackedStaticLayer(StaticLayer):
     def used_nbytes(self) -> int:
         """Bytes of the slots written so far (what a cache grown as needed would hold)."""
         return self.nbytes() * int(self.cumulative_length) // self.max_cache_len
+
+
+class PackedDeltaLayer(StaticLayer):
+    """A `DeltaKVCache` layer (adaptive per-channel key groups, per-token values) with its storage preallocated to
+    `max_cache_len` tokens, whose decoding step compiles.
+
+    A decoding step (one token) is two ops over the preallocated storage, whose counters are host tensors
+    (`kernels.ops`: `adaptive_append` in `update`, `adaptive_attention` when SDPA reads the `attention.packed`
+    placeholders `update` returns): the steps of the eager layer, through the same kernels, so the same bytes. A
+    prompt or chunk of several tokens runs the eager layer itself (`inner`: `layers.compressed.CompressedLayer`, given
+    the stored tokens first when it holds none), whose state then moves into the preallocated storage once its
+    attention has read it; the eager layer then holds nothing.
+
+    Args:
+        inner: the eager layer of a `DeltaKVCache` (keys `AdaptiveChannelCodec`, values `PlainCodec`, maybe rotated).
+        max_cache_len: tokens the layer can hold.
+        shared: the cache's `SharedPositions` (one position buffer for every layer).
+        last: the model's last layer (its prompt ends the forward: the eager position log is let go).
+    """
+
+    def __init__(self, inner, max_cache_len: int, shared: SharedPositions, last: bool) -> None:
+        super().__init__(max_cache_len)
+        from ..codecs.adaptive import AdaptiveChannelCodec
+        from ..codecs.plain import PlainCodec
+        from ..codecs.rotation import RotatedCodec
+
+        self.inner, self.shared, self.last = inner, shared, last
+        keys, values = inner.key_codec, inner.value_codec
+        self.rotated = isinstance(values, RotatedCodec)
+        plain = values.inner if self.rotated else values
+        if not isinstance(keys, AdaptiveChannelCodec) or not isinstance(plain, PlainCodec) or inner.window:
+            raise ValueError("max_cache_len serves DeltaKVCache's default coding (keys='channel', values in a block "
+                             "format) on full-attention layers")  # fmt: skip
+        self.group, self.pad, self.first_group = keys.group, keys.pad, keys.first_group
+        self.v_format, self.search_scale = plain.fmt, plain.search_scale
+        self.sinks = inner.sink_tokens
+        self.clip_range, self.query_weights = keys.clip_range, keys.query_weights
+        self.packed = packed_classes(self)
+        self.counts = torch.zeros(4, dtype=torch.int64)  # host counters (`kernels.ops`: TOKENS, CODED, ...)
+        self.cumulative_length = self.counts[ops.TOKENS]  # (a view: StaticLayer's length tensor)
+        self.pair = None  # the eager layer's keys and values during a prompt (`update` to `attend_packed`)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
+        lead = (self.batch_size, self.num_heads)
+        codec = self.inner.key_codec
+        total = codec._budget(dim)
+        groups = -(-(self.pad + self.max_cache_len - min(self.sinks, self.max_cache_len)) // self.group)
+        sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
+        make = lambda *shape, dtype: torch.zeros(*lead, *shape, dtype=dtype, device=self.device)  # noqa: E731
+        self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
+        self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
+        self.planes = make(groups, total, self.group // 8, dtype=torch.uint8)
+        self.depths = make(groups, dim // 2, dtype=torch.uint8)
+        self.low, self.step = (make(groups, dim, dtype=torch.float16) for _ in range(2))
+        self.tail = make(self.group, dim, dtype=torch.float16)
+        self.values = _zeros(self.v_format, (*lead, max(self.max_cache_len - self.sinks, 0)), value_dim, self.device)
+        self.energy, self.before = (make(dim, dtype=torch.float32) for _ in range(2))
+        self.positions = self.shared.buffer(self.batch_size, self.max_cache_len, self.device)
+        rope = self.inner.rope
+        self.freqs, self.order = rope.on(self.device) if rope is not None else (None, None)
+        self.total_bits = total
+        if not torch.compiler.is_compiling():
+            for t in self.tensors():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor (batch first; the shared positions not included)."""
+        fixed = [self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail]
+        return [*fixed, *self.values.tensors(), self.energy, self.before]
+
+    def _options(self) -> dict:
+        return {"v_format": self.v_format, "rotation": rotation_block(self.v_head_dim) if self.rotated else 0}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens and return `attention.packed` placeholders `[batch, heads, max_cache_len, dim]` (SDPA on
+        them is answered by `attend_packed`). One token: `kernels.ops.adaptive_append`; several (a prompt, not
+        compiled): the eager layer."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if not torch.compiler.is_compiling():
+            held = int(self.counts[ops.TOKENS])
+            if held + n > self.max_cache_len:
+                raise ValueError(
+                    f"this cache holds at most max_cache_len={self.max_cache_len} tokens; {held} are held and {n} "
+                    "more were given: make the cache with a larger max_cache_len"
+                )
+            if n != 1:
+                self._to_inner(key_states, value_states)
+                self.pair = self.inner.update(key_states, value_states, *args, **kwargs)
+                return self._placeholders()
+        elif n != 1:
+            raise RuntimeError("a compiled step of this cache takes one token per sequence (compile the decoding only)")
+        ids = _position_ids(kwargs)
+        if ids is not None:
+            ids = ids.to(self.device)
+            ids = (ids.unsqueeze(0) if ids.dim() == 1 else ids).expand(self.batch_size, 1)
+        values = self.values
+        torch.ops.hf_deltakv.adaptive_append(
+            key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
+            values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
+            search_scale=self.search_scale, **self._options(),
+        )  # fmt: skip
+        return self._placeholders()
+
+    def _placeholders(self):
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        return packed_pair(self.packed, (*shape, self.k_head_dim), (*shape, self.v_head_dim), self.dtype, self.device)
+
+    def attend_packed(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """`scaled_dot_product_attention(query, keys, values, mask)` over the tokens held (`attention.packed`)."""
+        if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != self.max_cache_len):
+            raise RuntimeError(
+                f"a compiled cache layer takes a mask [batch, 1, n, {self.max_cache_len}], got {tuple(mask.shape)}"
+            )
+        if not torch.compiler.is_compiling() and self.pair is not None:  # a prompt: the eager layer's SDPA, then
+            # its state into the storage
+            pair, self.pair = self.pair, None
+            held = pair[0].shape[2]
+            gqa = query.shape[1] != self.num_heads
+            masked = {"is_causal": True} if mask is None else {"attn_mask": mask[..., :held]}
+            out = F.scaled_dot_product_attention(query, *pair, scale=scale, enable_gqa=gqa, **masked)
+            self._from_inner()
+            return out
+        batch, _, n, _ = query.shape
+        if mask is not None:
+            mask = mask[:, 0].expand(batch, n, self.max_cache_len)
+        values = self.values
+        out = torch.ops.hf_deltakv.adaptive_attention(
+            query, mask, self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail,
+            values.codes, values.scales, values.mins, self.positions, self.freqs, self.order, self.energy,
+            self.before, self.counts, pad=self.pad, total_bits=self.total_bits,
+            clip_range=self.clip_range, query_weights=self.query_weights,
+            scale=float(scale), **self._options(),
+        )  # fmt: skip
+        return out.to(query.dtype)
+
+    def _to_inner(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Before the eager layer takes a prompt or chunk: it holds the stored tokens (copies of them) when it holds
+        none, as if it had stored them itself (its codecs' state set from the storage and the counters)."""
+        inner = self.inner
+        held, coded, observed, summed = self.counts.tolist()
+        if inner.is_initialized or not held:
+            return
+        inner.lazy_initialization(key_states, value_states)
+        inner.cumulative_length = held
+        sinks = min(held, self.sinks)
+        inner.sink_keys, inner.sink_values = (t[:, :, :sinks].clone() for t in (self.sink_keys, self.sink_values))
+        stream = held - sinks
+        keys = inner.key_codec
+        for name, stored in zip(("planes", "depths", "low", "step"), (self.planes, self.depths, self.low, self.step),
+                                strict=True):  # fmt: skip
+            setattr(keys, name, stored[:, :, :coded].clone() if coded else None)
+        tokens = coded * self.group - self.pad if coded else 0
+        keys.tail, keys.length, keys.coded = self.tail[:, :, : stream - tokens].clone(), stream, coded
+        keys.energy, keys.observed = (self.energy.clone() if observed else None), observed
+        open_group = self.first_group + coded
+        keys.before_group = {open_group: (self.before.clone(), summed)} if summed else {}
+        plain = inner.value_codec.inner if self.rotated else inner.value_codec
+        plain.stored, plain.length = self.values.map(lambda t: t[:, :, :stream].clone()), stream
+        log = inner.positions
+        if log is not None and (log.ids is None or log.ids.shape[1] != held):
+            log.reset()
+            log.record(0, held, self.positions[:, :held])
+
+    def _from_inner(self) -> None:
+        """After the eager layer's attention has read a prompt: its state into the storage (the key groups it
+        completed are coded by then), the eager layer emptied."""
+        inner = self.inner
+        keys = inner.key_codec
+        keys.layout()  # (codes the complete groups, as the next read would, with the same query sums)
+        held, coded = inner.cumulative_length, keys.coded
+        if inner.sink_keys is not None:
+            sinks = inner.sink_keys.shape[2]
+            self.sink_keys[:, :, :sinks] = inner.sink_keys
+            self.sink_values[:, :, :sinks] = inner.sink_values
+        if coded:
+            for stored, rows in zip((self.planes, self.depths, self.low, self.step),
+                                    (keys.planes, keys.depths, keys.low, keys.step), strict=True):  # fmt: skip
+                stored[:, :, :coded] = rows
+        self.tail[:, :, : keys.tail.shape[2]] = keys.tail
+        plain = inner.value_codec.inner if self.rotated else inner.value_codec
+        if plain.stored is not None:
+            for stored, rows in zip(self.values.tensors(), plain.stored.tensors(), strict=True):
+                stored[:, :, : plain.length] = rows
+        if keys.energy is not None:
+            self.energy.copy_(keys.energy)
+        open_group = self.first_group + coded
+        summed = 0
+        if open_group in keys.before_group:
+            before, summed = keys.before_group[open_group]
+            self.before.copy_(before)
+        if inner.positions is not None and inner.positions.ids is not None:
+            self.positions[:, :held] = inner.positions.ids
+        elif held:
+            self.positions[:, :held] = torch.arange(held, dtype=torch.int32, device=self.device)
+        self.counts.copy_(torch.tensor([held, coded, keys.observed, summed]))
+        inner.reset()
+        if self.last and inner.positions is not None:
+            inner.positions.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows of the batch reordered in place (the storage keeps its address)."""
+        if self.is_initialized:
+            for t in (*self.tensors(), self.positions):
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "a cache with max_cache_len keeps its batch size: expand the inputs before the prompt"
+        )
+
+    batch_select_indices = batch_repeat_interleave
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first tokens (`StreamLayer.crop`'s semantics), through the eager layer (a cut inside a coded key
+        group decodes its kept tokens back to the raw tail, as there)."""
+        if not self.is_initialized or not int(self.counts[ops.TOKENS]):
+            return
+        like = torch.empty(self.batch_size, self.num_heads, 0, self.k_head_dim, dtype=self.dtype, device=self.device)
+        self._to_inner(like, like.new_empty(*like.shape[:3], self.v_head_dim))
+        self.inner.crop(max_length)
+        self._from_inner()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for t in (*self.tensors(), self.positions):
+                t.zero_()
+        self.counts.zero_()
+        self.inner.reset()
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> int:
+        """Bytes held: the whole capacity's storage (allocated up front; the shared positions not included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors()) if self.is_initialized else 0
+
+    def used_nbytes(self) -> int:
+        """Bytes of what the tokens held fill: the sinks, the coded key groups, the open group's raw keys, the values
+        written, the query sums (what the eager layer holds for them, less its buffers' room)."""
+        if not self.is_initialized:
+            return 0
+        held, coded, _, _ = self.counts.tolist()
+        stream = max(held - self.sinks, 0)
+        tokens = coded * self.group - self.pad if coded else 0
+        rows = lambda t, n: t.numel() // max(t.shape[2], 1) * n * t.element_size()  # noqa: E731
+        used = [rows(t, min(held, self.sinks)) for t in (self.sink_keys, self.sink_values)]
+        used += [rows(t, coded) for t in (self.planes, self.depths, self.low, self.step)]
+        used += [rows(self.tail, stream - tokens), *(rows(t, stream) for t in self.values.tensors())]
+        return sum(used) + self.energy.numel() * 4 * 2
+
+
+class SharedPositions:
+    """The position ids of a cache's tokens (int32 `[batch, max_cache_len]`), one buffer for all its layers (made by
+    the first layer that needs it; every layer's step writes its token's position there, the same value)."""
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+
+    def buffer(self, batch: int, capacity: int, device: torch.device) -> torch.Tensor:
+        if self.ids is None or self.ids.shape[0] != batch or self.ids.device != device:
+            self.ids = torch.zeros(batch, capacity, dtype=torch.int32, device=device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.ids)
+        return self.ids
+
+    def nbytes(self) -> int:
+        return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
+
+
+def _position_ids(kwargs: dict) -> torch.Tensor | None:
+    """The position ids models pass to `Cache.update` (directly or under `kwargs`), or None."""
+    ids = kwargs.get("position_ids")
+    if ids is None and isinstance(kwargs.get("kwargs"), dict):
+        ids = kwargs["kwargs"].get("position_ids")
+    return ids
