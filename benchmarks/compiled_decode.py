@@ -4,8 +4,8 @@ fastest uncompressed transformers cache.
 Caches: `dynamic` (DynamicCache, eager), `static` (StaticCache, eager), `static-compiled` (StaticCache under
 `CompileConfig(fullgraph=True, dynamic=False)`, `_compile_all_devices` as transformers' CI runs it on the CPU,
 mode None: CUDA graphs do not exist here), `q4_0-rot-static` / `-compiled` (`StaticQuantizedKVCache("q4_0",
-"q4_0", rotate=True)`, the llama.cpp format with rotation), `delta` (`DeltaKVCache(kf=32, model=model)`, eager: it
-does not compile yet). Each configuration runs in its own process: one warm-up generation (compiling, where asked),
+"q4_0", rotate=True)`, the llama.cpp format with rotation), `delta` (`DeltaKVCache(kf=32, model=model)`, eager),
+`delta-static` / `-compiled` (`StaticDeltaKVCache(kf=32, max_cache_len=...)`: the same coding preallocated). Each configuration runs in its own process: one warm-up generation (compiling, where asked),
 then per round a prefill alone (`max_new_tokens=1`) and a full generation of `--new` tokens on fresh caches; decode
 tokens/s = (new - 1) / (full - prefill). Configurations alternate across rounds; figures are medians over rounds,
 and each row's ratio is against the fastest uncompressed cache (`dynamic`, `static`, `static-compiled`) at its context
@@ -28,14 +28,15 @@ from pathlib import Path
 import torch
 from paths import RESULTS, machine
 
-CACHES = ("dynamic", "static", "static-compiled", "q4_0-rot-static", "q4_0-rot-static-compiled", "delta")
+CACHES = ("dynamic", "static", "static-compiled", "q4_0-rot-static", "q4_0-rot-static-compiled", "delta",
+          "delta-static", "delta-static-compiled")
 UNCOMPRESSED = ("dynamic", "static", "static-compiled")
 
 
 def make_cache(name: str, model, capacity: int):
     from transformers.cache_utils import DynamicCache, StaticCache
 
-    from hf_deltakv import DeltaKVCache, StaticQuantizedKVCache
+    from hf_deltakv import DeltaKVCache, StaticDeltaKVCache, StaticQuantizedKVCache
 
     base = name.removesuffix("-compiled")
     if base == "dynamic":
@@ -46,6 +47,8 @@ def make_cache(name: str, model, capacity: int):
         return StaticQuantizedKVCache("q4_0", "q4_0", rotate=True, max_cache_len=capacity, model=model)
     if base == "delta":
         return DeltaKVCache(kf=32, model=model)
+    if base == "delta-static":
+        return StaticDeltaKVCache(kf=32, max_cache_len=capacity, model=model)
     raise ValueError(f"unknown cache {name!r}; one of {CACHES}")
 
 
