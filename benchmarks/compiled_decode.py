@@ -5,14 +5,19 @@ Caches: `dynamic` (DynamicCache, eager), `static` (StaticCache, eager), `static-
 `CompileConfig(fullgraph=True, dynamic=False)`, `_compile_all_devices` as transformers' CI runs it on the CPU,
 mode None: CUDA graphs do not exist here), `q4_0-rot-static` / `-compiled` (`StaticQuantizedKVCache("q4_0",
 "q4_0", rotate=True)`, the llama.cpp format with rotation), `delta` (`DeltaKVCache(kf=32, model=model)`, eager),
-`delta-static` / `-compiled` (`StaticDeltaKVCache(kf=32, max_cache_len=...)`: the same coding preallocated). Each configuration runs in its own process: one warm-up generation (compiling, where asked),
-then per round a prefill alone (`max_new_tokens=1`) and a full generation of `--new` tokens on fresh caches; decode
-tokens/s = (new - 1) / (full - prefill). Configurations alternate across rounds; figures are medians over rounds,
-and each row's ratio is against the fastest uncompressed cache (`dynamic`, `static`, `static-compiled`) at its context
-and dtype in the same invocation.
+`delta-static` / `-compiled` (`StaticDeltaKVCache(kf=32, max_cache_len=...)`: the same coding preallocated). Each
+configuration runs in its own process: one warm-up generation (compiling, where asked), then per round a prefill
+alone (`max_new_tokens=1`) and a full generation of `--new` tokens on fresh caches; decode tokens/s = (new - 1) /
+(full - prefill). Configurations alternate across rounds; figures are medians over rounds, and each row's ratio is
+against the fastest uncompressed cache (`dynamic`, `static`, `static-compiled`) at its context and dtype in the
+same invocation.
 
     python benchmarks/compiled_decode.py                              # 1K, 4K; fp32 and bf16; 2 rounds
     python benchmarks/compiled_decode.py --ctx 4096 --dtypes bfloat16 --caches static,q4_0-rot-static-compiled
+
+Memory (`--memory`, default 8192,32768): what each preallocated cache holds at that `max_cache_len` for SmolLM2 in
+fp16 after a 64-token prompt (`nbytes()`: the capacity, allocated up front; transformers' `StaticCache` counted the
+same way, its key and value tensors), against `StaticCache`. (The allocator's peak needs a GPU: not measured here.)
 """
 
 from __future__ import annotations
@@ -28,8 +33,16 @@ from pathlib import Path
 import torch
 from paths import RESULTS, machine
 
-CACHES = ("dynamic", "static", "static-compiled", "q4_0-rot-static", "q4_0-rot-static-compiled", "delta",
-          "delta-static", "delta-static-compiled")
+CACHES = (
+    "dynamic",
+    "static",
+    "static-compiled",
+    "q4_0-rot-static",
+    "q4_0-rot-static-compiled",
+    "delta",
+    "delta-static",
+    "delta-static-compiled",
+)
 UNCOMPRESSED = ("dynamic", "static", "static-compiled")
 
 
@@ -94,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per process (after one warm-up)")
     parser.add_argument("--out", default=str(RESULTS / "compiled_decode.json"))
+    parser.add_argument("--memory", default="8192,32768", help="max_cache_len values for the memory table")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.dtypes, args.rounds)))
         return 0
+    memory = measure_memory([int(n) for n in args.memory.split(",") if n])
+    print(memory_markdown(memory))
     rows = []
     for ctx in map(int, args.ctx.split(",")):
         for dtype in args.dtypes.split(","):
@@ -119,9 +135,39 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     config = {**vars(args), "date": time.strftime("%F"), "machine": machine()}
     config.pop("one")
-    Path(args.out).write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"config": config, "rows": rows, "memory": memory}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
+
+
+@torch.no_grad()
+def measure_memory(capacities: list[int]) -> list[dict]:
+    """Bytes each preallocated cache holds at each capacity (fp16 SmolLM2, after a 64-token prompt)."""
+    from hf_deltakv.eval.texts import load_text
+    from hf_deltakv.models import load_model
+
+    model, tokenizer = load_model(dtype=torch.float16)
+    ids = tokenizer(load_text("stdlib-code"), return_tensors="pt").input_ids[:, :64]
+    rows = []
+    for capacity in capacities:
+        held = {}
+        for name in ("static", "q4_0-rot-static", "delta-static"):
+            cache = make_cache(name, model, capacity)
+            model(ids, cache=cache, use_cache=True)
+            if name == "static":
+                held[name] = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+            else:
+                held[name] = cache.nbytes()
+        rows += [{"cache": name, "max_cache_len": capacity, "nbytes": n, "vs_static": n / held["static"]}
+                 for name, n in held.items()]  # fmt: skip
+    return rows
+
+
+def memory_markdown(rows: list[dict]) -> str:
+    lines = ["| cache (fp16) | max_cache_len | MiB held | vs StaticCache |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['cache']} | {r['max_cache_len']} | {r['nbytes'] / 2**20:.1f} | {r['vs_static']:.3f}x |"
+              for r in rows]  # fmt: skip
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:

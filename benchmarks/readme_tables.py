@@ -492,6 +492,11 @@ def results() -> None:
             "same context and dtype.\n"
         )
         print(machine_line(cfg) + compiled_table(compiled["rows"]))
+        if compiled.get("memory"):
+            from compiled_decode import memory_markdown
+
+            print("\nMemory at the same `max_cache_len` (fp16, `nbytes()`: the whole capacity, allocated up front):\n")
+            print(memory_markdown(compiled["memory"]))
     gpu_path_tables()
     triton_table()
     gpu_prediction_table()

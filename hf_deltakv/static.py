@@ -7,6 +7,7 @@ itself (`cache.is_compileable`) on GPUs, and on the CPU when the compile config 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
@@ -132,6 +133,11 @@ class StaticDeltaKVCache(Cache):
         """Bytes held: every layer's storage for `max_cache_len` tokens and the shared positions (allocated at the
         first forward)."""
         return sum(layer.nbytes() for layer in self.layers) + self.shared.nbytes()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.shared.ids is not None:
+            self.shared.ids.copy_(self.shared.ids.index_select(0, beam_idx.to(self.shared.ids.device)))
 
     def used_nbytes(self) -> int:
         """Bytes the tokens held fill (what `DeltaKVCache` holds for them, less its buffers' room)."""

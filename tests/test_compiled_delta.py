@@ -65,7 +65,7 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
 
 
 def state_of(layer) -> dict:
-    """What a `DeltaKVCache` layer holds, by name: the sinks, the key codec's groups, tail and query sums, the values."""
+    """What a `DeltaKVCache` layer holds by name: the sinks, the key codec's groups, tail and query sums, the values."""
     keys, values = layer.key_codec, layer.value_codec.inner
     return {"sink_keys": layer.sink_keys, "sink_values": layer.sink_values, "planes": keys.planes,
             "depths": keys.depths, "low": keys.low, "step": keys.step, "tail": keys.tail, "energy": keys.energy,

@@ -40,7 +40,10 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     sparse_matvec      cpu/sparse_matvec.cpp       | triton/sparse_matvec.py
 
 Compiled decoding calls ops registered with `torch.library` (`ops.py`: tensors and scalars in, a fake
-implementation each): `hf_deltakv::plain_attention` runs `stream_attention` above over plain streams.
+implementation each): `hf_deltakv::plain_attention` runs `stream_attention` above over plain streams;
+`hf_deltakv::adaptive_append` (`undo_rope_into`, `quantize_at`) and `hf_deltakv::adaptive_attention`
+(`add_query_energy`, `code_groups`, `stream_attention`) are a decoding step of a `DeltaKVCache` layer over storage
+preallocated for `max_cache_len` tokens.
 """
 
 from __future__ import annotations

@@ -219,6 +219,8 @@ def adaptive_attention(
             summed = observed
     counts.copy_(torch.tensor([held, coded, observed, summed]))
     mask = None if mask is None else mask[:, :, :held]
+    if mask is not None and n == 1 and mask.device.type == "cpu" and bool(mask.all()):
+        mask = None  # (every token visible: the causal rule is the same, and the kernel reads no mask)
     sink_k, sink_v = sink_keys[:, :, : min(held, sinks)], sink_values[:, :, : min(held, sinks)]
     if not stream:  # sinks only (a prompt shorter than the sinks): the generic path, as the eager layer takes it
         state = OnlineSoftmax(query, scale, None if mask is None else mask[:, None], held)

@@ -267,8 +267,15 @@ class PackedDeltaLayer(StaticLayer):
                 )
             if n != 1:
                 self._to_inner(key_states, value_states)
-                self.pair = self.inner.update(key_states, value_states, *args, **kwargs)
+                try:
+                    self.pair = self.inner.update(key_states, value_states, *args, **kwargs)
+                except BaseException:
+                    self.inner.reset()  # (the storage still holds every token: given again to the next chunk)
+                    raise
                 return self._placeholders()
+            if self.inner.is_initialized:  # a chunk no attention read: its state into the storage first
+                self.pair = None
+                self._from_inner()
         elif n != 1:
             raise RuntimeError("a compiled step of this cache takes one token per sequence (compile the decoding only)")
         ids = _position_ids(kwargs)
@@ -380,9 +387,10 @@ class PackedDeltaLayer(StaticLayer):
             inner.positions.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: rows of the batch reordered in place (the storage keeps its address)."""
+        """Beam search: rows of the batch reordered in place (the storage keeps its address; the shared positions are
+        the cache's to reorder, once)."""
         if self.is_initialized:
-            for t in (*self.tensors(), self.positions):
+            for t in self.tensors():
                 t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
