@@ -30,20 +30,6 @@ def _check_capacity(max_cache_len: int, model) -> None:
         )
 
 
-def _check_capacity(max_cache_len: int, model) -> None:
-    """`max_cache_len` a positive integer, `model` a model whose every layer attends fully."""
-    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-        raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
-    if not isinstance(model, nn.Module):
-        raise ValueError("max_cache_len needs the model (model=...): every layer's storage is made up front")
-    kinds = set(model_layer_types(model))
-    if kinds != {"full_attention"}:
-        raise ValueError(
-            f"max_cache_len serves models whose every layer attends fully for now; this one has {sorted(kinds)} "
-            "layers: leave max_cache_len out (the cache then grows as needed and is not compiled)"
-        )
-
-
 class StaticQuantizedKVCache(Cache):
     """llama.cpp-style quantized KV cache (every token quantized on its own, per block of 32) that compiles: each
     layer's storage holds `max_cache_len` tokens from the first forward on and is written in place.

@@ -3,7 +3,9 @@ out, each with a fake implementation so that `torch.compile` traces it without r
 
 `hf_deltakv::plain_attention` is attention over raw-per-token packed storage (`PlainStream`: the llama.cpp formats,
 rotated or not), as `kernels.stream_attention` dispatches it (the C++ kernel on the CPU, Triton on GPUs, the
-reference elsewhere). Inside a compiled graph the op is one opaque call: the dispatch runs when the graph runs.
+reference elsewhere). `hf_deltakv::adaptive_append` and `hf_deltakv::adaptive_attention` are a decoding step of a
+`DeltaKVCache` layer over preallocated storage (below). Inside a compiled graph each op is one opaque call: the
+dispatch runs when the graph runs.
 """
 
 from __future__ import annotations
