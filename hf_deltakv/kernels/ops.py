@@ -39,10 +39,15 @@ def _fake(fn):
     return fn
 
 
+def _values(codes, scales, mins, fmt: str, dim: int) -> QuantizedTensor:
+    """Packed storage as a `QuantizedTensor` (scales and mins None where the format has none)."""
+    return QuantizedTensor(get_format(fmt), dim, codes, scales, mins)
+
+
 def _stream(codes: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, fmt: str, dim: int,
             rotate: bool) -> PlainStream:  # fmt: skip
-    blocks = QuantizedTensor(get_format(fmt), dim, codes, scales, mins)
-    return PlainStream(blocks, dim, codes.shape[2], rotation_block(dim) if rotate else 0)
+    rotation = rotation_block(dim) if rotate else 0
+    return PlainStream(_values(codes, scales, mins, fmt, dim), dim, codes.shape[2], rotation)
 
 
 @_op()
@@ -95,10 +100,6 @@ def _plain_attention(query, k_codes, k_scales, k_mins, v_codes, v_scales, v_mins
 # `layers.compressed`, `codecs.adaptive` and `codecs.plain` run eagerly, through the same dispatched kernels: the
 # same bytes.
 TOKENS, CODED, OBSERVED, BEFORE = range(4)
-
-
-def _values(codes, scales, mins, fmt: str, dim: int) -> QuantizedTensor:
-    return QuantizedTensor(get_format(fmt), dim, codes, scales, mins)
 
 
 def _tail_row(stream_token: int, coded: int, group: int, pad: int) -> int:

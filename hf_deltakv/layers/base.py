@@ -145,7 +145,7 @@ class StreamLayer(CacheLayerMixin):
         if not new:
             return
         if self.rope is not None:
-            ids = _position_ids(kwargs, start, new, key_states)
+            ids = given_position_ids(kwargs, start, new, key_states)
             self.positions.record(start, new, ids, self._room_ahead(start, new))
         sink_new = min(max(self.sink_tokens - start, 0), new)
         if sink_new:
@@ -491,12 +491,15 @@ def _attributes(obj: object) -> dict:
     return attributes
 
 
-def _position_ids(kwargs: dict, start: int, new: int, like: torch.Tensor) -> torch.Tensor:
-    """Position ids `[batch, new]` from the kwargs models pass to `Cache.update`, else `start, start + 1, ...`."""
+def given_position_ids(kwargs: dict, start: int | None, new: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Position ids `[batch, new]` on `like`'s device from the kwargs models pass to `Cache.update` (directly or
+    under `kwargs`), else `start, start + 1, ...` (None when `start` is None)."""
     ids = kwargs.get("position_ids")
     if ids is None and isinstance(kwargs.get("kwargs"), dict):
         ids = kwargs["kwargs"].get("position_ids")
     if ids is None:
+        if start is None:
+            return None
         ids = torch.arange(start, start + new, device=like.device).unsqueeze(0)
     if ids.device != like.device:
         ids = ids.to(like.device)

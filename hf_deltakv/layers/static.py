@@ -25,6 +25,7 @@ from ..attention.packed import packed_classes, packed_pair
 from ..kernels import ops  # (registers the hf_deltakv ops)
 from ..kernels.hadamard import rotate, rotation_block
 from ..quant import QuantizedTensor, check_search_scale, dequantize, get_format, quantize, saturate_fp16
+from .base import given_position_ids
 
 
 def _zeros(fmt_name: str, lead: tuple[int, ...], dim: int, device: torch.device) -> QuantizedTensor:
@@ -33,7 +34,24 @@ def _zeros(fmt_name: str, lead: tuple[int, ...], dim: int, device: torch.device)
     return QuantizedTensor.empty(get_format(fmt_name), lead, dim, device).map(torch.zeros_like)
 
 
-class PackedStaticLayer(StaticLayer):
+class FixedBatch:
+    """Batch operations of a layer whose storage (`tensors()`, batch first) keeps its addresses and batch size."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows of the batch reordered in place (the storage keeps its address)."""
+        if self.is_initialized:
+            for t in self.tensors():
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "a cache with max_cache_len keeps its batch size: expand the inputs before the prompt"
+        )
+
+    batch_select_indices = batch_repeat_interleave
+
+
+class PackedStaticLayer(FixedBatch, StaticLayer):
     """`StaticLayer` holding keys and values packed (`k_format`, `v_format`), Hadamard-rotated first with `rotate`.
 
     Args:
@@ -146,19 +164,6 @@ class PackedStaticLayer(StaticLayer):
             x = rotate(x)  # (the rotation is its own inverse)
         return saturate_fp16(x) if self.dtype == torch.float16 else x.to(self.dtype)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: rows of the batch reordered in place (the storage keeps its address)."""
-        if self.is_initialized:
-            for t in self.tensors():
-                t.copy_(t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(
-            "a cache with max_cache_len keeps its batch size: expand the inputs before the prompt"
-        )
-
-    batch_select_indices = batch_repeat_interleave
-
     def reset(self) -> None:
         if self.is_initialized:
             for t in self.tensors():
@@ -174,7 +179,7 @@ class PackedStaticLayer(StaticLayer):
         return self.nbytes() * int(self.cumulative_length) // self.max_cache_len
 
 
-class PackedDeltaLayer(StaticLayer):
+class PackedDeltaLayer(FixedBatch, StaticLayer):
     """A `DeltaKVCache` layer (adaptive per-channel key groups, per-token values) with its storage preallocated to
     `max_cache_len` tokens, whose decoding step compiles.
 
@@ -242,7 +247,7 @@ class PackedDeltaLayer(StaticLayer):
         self.is_initialized = True
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every storage tensor (batch first; the shared positions not included)."""
+        """Every storage tensor (batch first; the shared positions, the cache's to reorder once, not included)."""
         fixed = [self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail]
         return [*fixed, *self.values.tensors(), self.energy, self.before]
 
@@ -278,10 +283,7 @@ class PackedDeltaLayer(StaticLayer):
                 self._from_inner()
         elif n != 1:
             raise RuntimeError("a compiled step of this cache takes one token per sequence (compile the decoding only)")
-        ids = _position_ids(kwargs)
-        if ids is not None:
-            ids = ids.to(self.device)
-            ids = (ids.unsqueeze(0) if ids.dim() == 1 else ids).expand(self.batch_size, 1)
+        ids = given_position_ids(kwargs, None, 1, key_states)  # (None: the op takes the count of tokens held)
         values = self.values
         torch.ops.hf_deltakv.adaptive_append(
             key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
@@ -386,20 +388,6 @@ class PackedDeltaLayer(StaticLayer):
         if self.last and inner.positions is not None:
             inner.positions.reset()
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: rows of the batch reordered in place (the storage keeps its address; the shared positions are
-        the cache's to reorder, once)."""
-        if self.is_initialized:
-            for t in self.tensors():
-                t.copy_(t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(
-            "a cache with max_cache_len keeps its batch size: expand the inputs before the prompt"
-        )
-
-    batch_select_indices = batch_repeat_interleave
-
     def crop(self, max_length: int) -> None:
         """Keep the first tokens (`StreamLayer.crop`'s semantics), through the eager layer (a cut inside a coded key
         group decodes its kept tokens back to the raw tail, as there)."""
@@ -455,11 +443,3 @@ class SharedPositions:
 
     def nbytes(self) -> int:
         return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
-
-
-def _position_ids(kwargs: dict) -> torch.Tensor | None:
-    """The position ids models pass to `Cache.update` (directly or under `kwargs`), or None."""
-    ids = kwargs.get("position_ids")
-    if ids is None and isinstance(kwargs.get("kwargs"), dict):
-        ids = kwargs["kwargs"].get("position_ids")
-    return ids
