@@ -12,7 +12,7 @@ from .cache import (
     StreamingLLMCache,
 )
 from .residual.cache import ResidualKVCache
-from .static import StaticDeltaKVCache, StaticQuantizedKVCache
+from .static import StaticDeltaKVCache, StaticKIVIKVCache, StaticQuantizedKVCache
 from .weight_skip import SkipSimulator, enable_weight_skip
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "SkipSimulator",
     "SnapKVCache",
     "StaticDeltaKVCache",
+    "StaticKIVIKVCache",
     "StaticQuantizedKVCache",
     "StreamingLLMCache",
     "enable_weight_skip",

@@ -1,8 +1,10 @@
 """Caches for compiled decoding (`torch.compile`, CUDA graphs): storage preallocated to `max_cache_len` tokens.
 
-`StaticQuantizedKVCache(..., max_cache_len=N, model=model)` is transformers' `StaticCache`
-with llama.cpp-style packed storage (`layers.static.PackedStaticLayer`). `generate` compiles its decoding step by
-itself (`cache.is_compileable`) on GPUs, and on the CPU when the compile config asks (`_compile_all_devices`).
+`StaticQuantizedKVCache(..., max_cache_len=N, model=model)` is transformers' `StaticCache` with llama.cpp-style
+packed storage (`layers.static.PackedStaticLayer`); `StaticDeltaKVCache` and `StaticKIVIKVCache` are `DeltaKVCache`
+and `KIVIKVCache` with their storage preallocated (`layers.static.PackedStreamLayer`). `generate` compiles their
+decoding step by itself (`cache.is_compileable`) on GPUs, and on the CPU when the compile config asks
+(`_compile_all_devices`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache import model_layer_types, text_config
-from .layers.static import PackedDeltaLayer, PackedStaticLayer, SharedPositions
+from .layers.static import PackedChannelLayer, PackedDeltaLayer, PackedStaticLayer, SharedPositions
 from .quant import get_format
 
 
@@ -74,7 +76,50 @@ class StaticQuantizedKVCache(Cache):
         return sum(layer.used_nbytes() for layer in self.layers)
 
 
-class StaticDeltaKVCache(Cache):
+class StaticStreamCache(Cache):
+    """What the compileable `CompressedKVCache`s share: an eager cache (`eager`) whose layers serve prompts, each
+    wrapped in a `layers.static.PackedStreamLayer` (`layer`) holding `max_cache_len` tokens, one position buffer for
+    all layers. Needs the model (`model=`), SDPA attention (transformers' default) and full-attention layers."""
+
+    def __init__(self, eager, layer, max_cache_len: int, model) -> None:
+        _check_capacity(max_cache_len, model)
+        if getattr(text_config(model), "_attn_implementation", None) != "sdpa":
+            raise ValueError(
+                f"a {type(self).__name__} needs attn_implementation='sdpa' (transformers' default): its compiled step "
+                "answers scaled_dot_product_attention from the codes"
+            )
+        self.eager, self.max_cache_len = eager, max_cache_len
+        self.options = {**eager.options, "max_cache_len": max_cache_len}
+        self.shared = SharedPositions()
+        count = len(model_layer_types(model))
+        super().__init__(layers=[layer(eager._new_layer(i), max_cache_len, self.shared, i == count - 1)
+                                 for i in range(count)])  # fmt: skip
+
+    def nbytes(self) -> int:
+        """Bytes held: every layer's storage for `max_cache_len` tokens and the shared positions (allocated at the
+        first forward)."""
+        return sum(layer.nbytes() for layer in self.layers) + self.shared.nbytes()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.shared.ids is not None:
+            self.shared.ids.copy_(self.shared.ids.index_select(0, beam_idx.to(self.shared.ids.device)))
+
+    def used_nbytes(self) -> int:
+        """Bytes the tokens held fill (what the eager cache holds for them, less its buffers' room)."""
+        held = int(self.layers[0].counts[0]) if self.layers else 0
+        positions = 0 if self.shared.ids is None else self.shared.ids.shape[0] * held * 4
+        return sum(layer.used_nbytes() for layer in self.layers) + positions
+
+    def bits_per_element(self) -> float:
+        """8 × used_nbytes() / cached key and value scalars (as `CompressedKVCache.bits_per_element`)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        elements = sum(layer.batch_size * layer.num_heads * int(layer.counts[0]) * (layer.k_head_dim + layer.v_head_dim)
+                       for layer in layers)  # fmt: skip
+        return 8 * self.used_nbytes() / elements if elements else 0.0
+
+
+class StaticDeltaKVCache(StaticStreamCache):
     """`DeltaKVCache` whose decoding step compiles: each layer's storage holds `max_cache_len` tokens from the first
     forward on and is written in place (`layers.static.PackedDeltaLayer`).
 
@@ -97,43 +142,44 @@ class StaticDeltaKVCache(Cache):
     def __init__(self, kf: int = 32, key_bits=None, values=None, *, max_cache_len: int, model, **options) -> None:
         from .cache import DEFAULT_KEY_BITS, DEFAULT_VALUES, DeltaKVCache
 
-        _check_capacity(max_cache_len, model)
         if options.get("keys", "channel") != "channel":
             raise ValueError("max_cache_len serves keys='channel' (DeltaKVCache's default)")
-        if getattr(text_config(model), "_attn_implementation", None) != "sdpa":
-            raise ValueError(
-                "a DeltaKVCache with max_cache_len needs attn_implementation='sdpa' (transformers' default): its "
-                "compiled step answers scaled_dot_product_attention from the codes"
-            )
         key_bits = DEFAULT_KEY_BITS if key_bits is None else key_bits
         values = DEFAULT_VALUES if values is None else values
-        self.eager = DeltaKVCache(kf, key_bits, values, model=model, **options)
-        self.max_cache_len, self.kf = max_cache_len, kf
-        self.options = {**self.eager.options, "max_cache_len": max_cache_len}
-        self.shared = SharedPositions()
-        count = len(model_layer_types(model))
-        super().__init__(layers=[PackedDeltaLayer(self.eager._new_layer(i), max_cache_len, self.shared,
-                                                  i == count - 1) for i in range(count)])  # fmt: skip
+        eager = DeltaKVCache(kf, key_bits, values, model=model, **options)
+        self.kf = kf
+        super().__init__(eager, PackedDeltaLayer, max_cache_len, model)
 
-    def nbytes(self) -> int:
-        """Bytes held: every layer's storage for `max_cache_len` tokens and the shared positions (allocated at the
-        first forward)."""
-        return sum(layer.nbytes() for layer in self.layers) + self.shared.nbytes()
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.shared.ids is not None:
-            self.shared.ids.copy_(self.shared.ids.index_select(0, beam_idx.to(self.shared.ids.device)))
+class StaticKIVIKVCache(StaticStreamCache):
+    """`KIVIKVCache` whose decoding step compiles: each layer's storage holds `max_cache_len` tokens from the first
+    forward on and is written in place (`layers.static.PackedChannelLayer`).
 
-    def used_nbytes(self) -> int:
-        """Bytes the tokens held fill (what `DeltaKVCache` holds for them, less its buffers' room)."""
-        held = int(self.layers[0].counts[0]) if self.layers else 0
-        positions = 0 if self.shared.ids is None else self.shared.ids.shape[0] * held * 4
-        return sum(layer.used_nbytes() for layer in self.layers) + positions
+    The coding of `KIVIKVCache(k_format, v_format, sink_tokens, pre_rope=...)` (keys quantized per channel over
+    groups of 32 tokens, the open group raw in fp16; values per token), the same bytes and tokens: a prompt runs
+    `KIVIKVCache`'s own layers, a decoding step two ops per layer (`kernels.ops`: `stream_append`,
+    `channel_attention`). `nbytes()` counts the capacity, `used_nbytes()` what the tokens held fill. Needs the model
+    (`model=`), SDPA attention (transformers' default) and full-attention layers.
 
-    def bits_per_element(self) -> float:
-        """8 × used_nbytes() / cached key and value scalars (as `DeltaKVCache.bits_per_element`)."""
-        layers = [layer for layer in self.layers if layer.is_initialized]
-        elements = sum(layer.batch_size * layer.num_heads * int(layer.counts[0]) * (layer.k_head_dim + layer.v_head_dim)
-                       for layer in layers)  # fmt: skip
-        return 8 * self.used_nbytes() / elements if elements else 0.0
+    Args:
+        k_format, v_format, sink_tokens, pre_rope: as `KIVIKVCache`.
+        max_cache_len: tokens the cache can hold (prompt and new tokens).
+        model: the model.
+
+    >>> # cache = StaticKIVIKVCache(max_cache_len=4096, model=model)
+    """
+
+    def __init__(
+        self,
+        k_format: str = "q4_1",
+        v_format: str = "q4_1",
+        sink_tokens: int = 0,
+        pre_rope: bool = False,
+        *,
+        max_cache_len: int,
+        model,
+    ) -> None:
+        from .cache import KIVIKVCache
+
+        eager = KIVIKVCache(k_format, v_format, sink_tokens, model=model, pre_rope=pre_rope)
+        super().__init__(eager, PackedChannelLayer, max_cache_len, model)

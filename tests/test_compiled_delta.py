@@ -38,7 +38,7 @@ def test_generate_compiles_once_and_decodes_as_delta_kv_cache(kf, dtype):
     assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
     calls = graph_ops(compiles[0])
     layers = len(model.model.layers)
-    assert calls.count("hf_deltakv.adaptive_attention") == calls.count("hf_deltakv.adaptive_append") == layers
+    assert calls.count("hf_deltakv.adaptive_attention") == calls.count("hf_deltakv.stream_append") == layers
     assert not any("scaled_dot_product" in call for call in calls)  # attention read from the codes
     held = 9 + NEW - 1
     for layer in compiled.layers:
@@ -131,7 +131,7 @@ def test_a_second_prompt_and_a_crop_continue_as_delta_kv_cache():
 
 
 def test_ops_pass_opcheck():
-    """`hf_deltakv::adaptive_append` and `adaptive_attention`: schema (the mutated arguments), fake implementation and
+    """`hf_deltakv::stream_append` and `adaptive_attention`: schema (the mutated arguments), fake implementation and
     dispatch as `torch.library.opcheck` checks them, on a layer's storage after a prompt (not the AOT-autograd check,
     which differentiates: decoding is inference; the compiled tests trace the ops through AOT dispatch)."""
     model = tiny_model()
@@ -146,7 +146,7 @@ def test_ops_pass_opcheck():
     key, value = key[:, : layer.num_heads], value[:, : layer.num_heads]
     options = dict(group=8, pad=layer.pad, v_format=layer.v_format, search_scale=True, rotation=32)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.hf_deltakv.adaptive_append.default,
+    torch.library.opcheck(torch.ops.hf_deltakv.stream_append.default,
                           (key, value, torch.full((2, 1), 15), *layer_args), options, test_utils=checks)  # fmt: skip
     query = torch.randn(2, 4, 1, 32, generator=g)
     mask = torch.ones(2, 1, 32, dtype=torch.bool)

@@ -41,8 +41,9 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
 
 Compiled decoding calls ops registered with `torch.library` (`ops.py`: tensors and scalars in, a fake
 implementation each): `hf_deltakv::plain_attention` runs `stream_attention` above over plain streams;
-`hf_deltakv::adaptive_append` (`undo_rope_into`, `quantize_at`) and `hf_deltakv::adaptive_attention`
-(`add_query_energy`, `code_groups`, `stream_attention`) are a decoding step of a `DeltaKVCache` layer over storage
+`hf_deltakv::stream_append` (`undo_rope_into`, `quantize_at`) with `hf_deltakv::adaptive_attention`
+(`add_query_energy`, `code_groups`, `stream_attention`) is a decoding step of a `DeltaKVCache` layer, with
+`hf_deltakv::channel_attention` (`quantize_at`, `stream_attention`) one of a `KIVIKVCache` layer, over storage
 preallocated for `max_cache_len` tokens.
 """
 

@@ -3,8 +3,9 @@ out, each with a fake implementation so that `torch.compile` traces it without r
 
 `hf_deltakv::plain_attention` is attention over raw-per-token packed storage (`PlainStream`: the llama.cpp formats,
 rotated or not), as `kernels.stream_attention` dispatches it (the C++ kernel on the CPU, Triton on GPUs, the
-reference elsewhere). `hf_deltakv::adaptive_append` and `hf_deltakv::adaptive_attention` are a decoding step of a
-`DeltaKVCache` layer over preallocated storage (below). Inside a compiled graph each op is one opaque call: the
+reference elsewhere). `hf_deltakv::stream_append` with `hf_deltakv::adaptive_attention` is a decoding step of a
+`DeltaKVCache` layer over preallocated storage (below), with `hf_deltakv::channel_attention` one of a `KIVIKVCache`
+layer. Inside a compiled graph each op is one opaque call: the
 dispatch runs when the graph runs.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from ..quant import FP16_MAX, QuantizedTensor, get_format
 from .hadamard import rotation_block
-from .layout import AdaptiveStream, PlainStream, RopeAngles
+from .layout import AdaptiveStream, ChannelStream, PlainStream, RopeAngles
 from .online_softmax import OnlineSoftmax
 
 _LIBRARY = torch.library.Library("hf_deltakv", "DEF")
@@ -91,14 +92,14 @@ def _plain_attention(query, k_codes, k_scales, k_mins, v_codes, v_scales, v_mins
     return query.new_empty(batch, heads, group * n, value_dim, dtype=torch.float32)
 
 
-# --- DeltaKVCache's layers (`layers.static.PackedDeltaLayer`) ---------------------------------------------------------
-# A decoding step of such a layer is two ops over storage preallocated for `max_cache_len` tokens: `adaptive_append`
-# (the new token into its slot) and `adaptive_attention` (the queries observed, the key group the token completes
-# coded, attention read from the codes). Their counters, `counts` int64 `[4]`, live on the host (read without a
-# device sync): the tokens held (sinks included), the key groups coded, the query positions observed, and the
-# position up to which the query energies kept in `before` were summed (0: none kept). The ops run the steps that
-# `layers.compressed`, `codecs.adaptive` and `codecs.plain` run eagerly, through the same dispatched kernels: the
-# same bytes.
+# --- Grouped-key layers (`layers.static.PackedStreamLayer`: DeltaKVCache's, KIVIKVCache's) ----------------------
+# A decoding step of such a layer is two ops over storage preallocated for `max_cache_len` tokens: `stream_append`
+# (the new token into its slot) and the keys' attention op, `adaptive_attention` or `channel_attention` (the queries
+# observed, the key group the token completes coded, attention read from the codes). Their counters, `counts` int64
+# `[4]`, live on the host (read without a device sync): the tokens held (sinks included), the key groups coded, the
+# query positions observed, and the position up to which the query energies kept in `before` were summed (0: none
+# kept; the last two adaptive keys' only). The ops run the steps that `layers.compressed`, `codecs.adaptive`,
+# `codecs.channel` and `codecs.plain` run eagerly, through the same dispatched kernels: the same bytes.
 TOKENS, CODED, OBSERVED, BEFORE = range(4)
 
 
@@ -109,7 +110,7 @@ def _tail_row(stream_token: int, coded: int, group: int, pad: int) -> int:
 
 
 @_op(mutates_args=("sink_keys", "sink_values", "tail", "v_codes", "v_scales", "v_mins", "positions", "counts"))
-def adaptive_append(
+def stream_append(
     key: torch.Tensor,
     value: torch.Tensor,
     position_ids: torch.Tensor | None,
@@ -156,7 +157,7 @@ def adaptive_append(
 
 
 @_fake
-def _adaptive_append(key, value, position_ids, sink_keys, sink_values, tail, v_codes, v_scales, v_mins, positions,
+def _stream_append(key, value, position_ids, sink_keys, sink_values, tail, v_codes, v_scales, v_mins, positions,
                      freqs, order, counts, *, group, pad, v_format, search_scale, rotation):  # fmt: skip
     return None
 
@@ -198,10 +199,10 @@ def adaptive_attention(
     `low`, `step` `[batch, kv_heads, groups, ...]`, then attention over the sinks, the coded groups, the raw tail and
     the values, read from the codes (`kernels.stream_attention`), under `mask` bool `[batch, n, max_cache_len]`
     (None: causal). Returns fp32 `[batch, heads, n, value_dim]`."""
-    from . import add_query_energy, code_groups, stream_attention
+    from . import add_query_energy, code_groups
 
     held, coded, observed, summed = counts.tolist()
-    batch, heads, n, dim = query.shape
+    dim = query.shape[-1]
     sinks, kv_heads, value_dim = sink_keys.shape[2], sink_keys.shape[1], sink_values.shape[-1]
     group = planes.shape[-1] * 8
     new_energy = None
@@ -221,16 +222,8 @@ def adaptive_attention(
             before.copy_(new_energy)
             summed = observed
     counts.copy_(torch.tensor([held, coded, observed, summed]))
-    mask = None if mask is None else mask[:, :, :held]
-    if mask is not None and n == 1 and mask.device.type == "cpu" and bool(mask.all()):
-        mask = None  # (every token visible: the causal rule is the same, and the kernel reads no mask)
-    sink_k, sink_v = sink_keys[:, :, : min(held, sinks)], sink_values[:, :, : min(held, sinks)]
-    if not stream:  # sinks only (a prompt shorter than the sinks): the generic path, as the eager layer takes it
-        state = OnlineSoftmax(query, scale, None if mask is None else mask[:, None], held)
-        state.add(sink_k, sink_v)
-        return state.result()
-    if order is not None:  # stored keys are canonical: so are the queries and sinks they meet
-        query, sink_k = query[..., order], sink_k[..., order]
+    if not stream:  # sinks only (a prompt shorter than the sinks)
+        return _attend(query, mask, sink_keys, sink_values, None, None, positions, freqs, order, held, scale)
     tokens = coded * group - pad if coded else 0
     keys = AdaptiveStream(
         planes=planes[:, :, :coded] if coded else None,
@@ -243,13 +236,40 @@ def adaptive_attention(
         dim=dim,
         length=stream,
     )
-    values = _values(v_codes, v_scales, v_mins, v_format, value_dim).map(lambda t: t[:, :, :stream])
+    values = _plain_values(v_codes, v_scales, v_mins, v_format, value_dim, stream, rotation)
+    return _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs, order, held, scale)
+
+
+def _plain_values(codes, scales, mins, fmt: str, dim: int, stream: int, rotation: int) -> PlainStream:
+    """The first `stream` tokens of per-token packed values as the attention kernels read them."""
+    return PlainStream(_values(codes, scales, mins, fmt, dim).map(lambda t: t[:, :, :stream]), dim, stream, rotation)
+
+
+def _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs, order, held: int, scale: float):
+    """Attention of a decoding step's `query` `[batch, heads, n, dim]` over the `held` tokens of a layer: its sinks (the
+    first `sink_keys.shape[2]`, raw) and the stream after them (`keys`, `values`: layouts, None when every token is a
+    sink; keys before RoPE when `freqs` is given, the positions' angles applied as they are read) under `mask` bool
+    `[batch, n, max_cache_len]` (None: causal). Returns fp32 `[batch, heads, n, value_dim]`."""
+    from . import stream_attention
+
+    batch, heads, n, _ = query.shape
+    sinks, kv_heads, value_dim = sink_keys.shape[2], sink_keys.shape[1], sink_values.shape[-1]
+    mask = None if mask is None else mask[:, :, :held]
+    if mask is not None and n == 1 and mask.device.type == "cpu" and bool(mask.all()):
+        mask = None  # (every token visible: the causal rule is the same, and the kernel reads no mask)
+    sink_k, sink_v = sink_keys[:, :, : min(held, sinks)], sink_values[:, :, : min(held, sinks)]
+    if keys is None:  # sinks only: the generic path, as the eager layer takes it
+        state = OnlineSoftmax(query, scale, None if mask is None else mask[:, None], held)
+        state.add(sink_k, sink_v)
+        return state.result()
+    if order is not None:  # stored keys are canonical: so are the queries and sinks they meet
+        query, sink_k = query[..., order], sink_k[..., order]
     out = stream_attention(
         query.unflatten(1, (kv_heads, heads // kv_heads)),
         sink_k,
         sink_v,
         keys,
-        PlainStream(values, value_dim, stream, rotation),
+        values,
         rope=RopeAngles(positions[:, sinks:held], freqs) if freqs is not None else None,
         mask=mask,
         n_queries=n,
@@ -263,4 +283,59 @@ def adaptive_attention(
 def _adaptive_attention(query, mask, sink_keys, sink_values, planes, depths, low, step, tail, v_codes, v_scales,
                         v_mins, positions, freqs, order, energy, before, counts, *, pad, total_bits, clip_range,
                         query_weights, v_format, rotation, scale):  # fmt: skip
+    return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
+
+
+@_op(mutates_args=("k_codes", "k_scales", "k_mins", "counts"))
+def channel_attention(
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    k_mins: torch.Tensor | None,
+    tail: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    v_mins: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    k_format: str,
+    v_format: str,
+    rotation: int,
+    scale: float,
+) -> torch.Tensor:
+    """`adaptive_attention` for KIVI-style keys (`CompressedLayer` with `ChannelGroupCodec` keys and plain values): the
+    key group the newest token completed (the raw `tail` fp16 `[batch, kv_heads, group, dim]`) quantized per channel
+    in `k_format` (one block of `group` tokens per channel) into its row of the groups' storage (`k_codes`, `k_scales`,
+    `k_mins` `[batch, kv_heads, groups, dim, ...]`), then attention over the sinks, the coded groups, the tail and the
+    values, read from the codes. Returns fp32 `[batch, heads, n, value_dim]`."""
+    from . import quantize_at
+
+    held, coded = counts.tolist()[:2]
+    dim = query.shape[-1]
+    sinks, value_dim = sink_keys.shape[2], sink_values.shape[-1]
+    groups = _values(k_codes, k_scales, k_mins, k_format, tail.shape[2])
+    group = groups.fmt.block_size
+    stream = max(held - sinks, 0)
+    if stream and stream % group == 0 and stream // group > coded:  # the group is complete: its channels' blocks
+        rows = tail.transpose(2, 3).contiguous()  # [batch, kv_heads, dim channels, group tokens]
+        quantize_at(rows, k_format, False, groups.map(lambda t: t.flatten(2, 3)), coded * dim)
+        coded += 1
+        counts[CODED] = coded
+    if not stream:
+        return _attend(query, mask, sink_keys, sink_values, None, None, positions, freqs, order, held, scale)
+    coded_groups = groups.map(lambda t: t[:, :, :coded]) if coded else None
+    keys = ChannelStream(coded_groups, tail[:, :, : stream - coded * group], group, dim, stream)
+    values = _plain_values(v_codes, v_scales, v_mins, v_format, value_dim, stream, rotation)
+    return _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs, order, held, scale)
+
+
+@_fake
+def _channel_attention(query, mask, sink_keys, sink_values, k_codes, k_scales, k_mins, tail, v_codes, v_scales,
+                       v_mins, positions, freqs, order, counts, *, k_format, v_format, rotation, scale):  # fmt: skip
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)

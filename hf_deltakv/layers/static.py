@@ -12,6 +12,9 @@ storage through one op (`hf_deltakv::plain_attention`: the C++ kernel on the CPU
 under transformers' mask (it spans `max_cache_len`, as for `StaticCache`; unwritten slots are zeros, masked). A
 prompt or chunk of several tokens, or a model whose attention is not SDPA, gets the decoded capacity in the model's
 dtype instead (unwritten slots decode to zeros).
+
+`PackedStreamLayer` (below) does the same for the layers of `CompressedKVCache`s whose keys are coded by groups of
+tokens (`PackedDeltaLayer`: DeltaKVCache's adaptive keys; `PackedChannelLayer`: KIVI's per-channel keys).
 """
 
 from __future__ import annotations
@@ -179,19 +182,20 @@ class PackedStaticLayer(FixedBatch, StaticLayer):
         return self.nbytes() * int(self.cumulative_length) // self.max_cache_len
 
 
-class PackedDeltaLayer(FixedBatch, StaticLayer):
-    """A `DeltaKVCache` layer (adaptive per-channel key groups, per-token values) with its storage preallocated to
-    `max_cache_len` tokens, whose decoding step compiles.
+class PackedStreamLayer(FixedBatch, StaticLayer):
+    """A layer of a `CompressedKVCache` (keys coded by groups of tokens after a raw fp16 tail, values per token in a
+    block format, raw sinks first) with its storage preallocated to `max_cache_len` tokens, whose decoding step
+    compiles. The keys' coding is the subclass's: `PackedDeltaLayer` (DeltaKVCache), `PackedChannelLayer` (KIVI).
 
     A decoding step (one token) is two ops over the preallocated storage, whose counters are host tensors
-    (`kernels.ops`: `adaptive_append` in `update`, `adaptive_attention` when SDPA reads the `attention.packed`
+    (`kernels.ops`: `stream_append` in `update`, the subclass's attention op when SDPA reads the `attention.packed`
     placeholders `update` returns): the steps of the eager layer, through the same kernels, so the same bytes. A
     prompt or chunk of several tokens runs the eager layer itself (`inner`: `layers.compressed.CompressedLayer`, given
     the stored tokens first when it holds none), whose state then moves into the preallocated storage once its
     attention has read it; the eager layer then holds nothing.
 
     Args:
-        inner: the eager layer of a `DeltaKVCache` (keys `AdaptiveChannelCodec`, values `PlainCodec`, maybe rotated).
+        inner: the eager layer (values `PlainCodec`, maybe rotated; keys the subclass's codec).
         max_cache_len: tokens the layer can hold.
         shared: the cache's `SharedPositions` (one position buffer for every layer).
         last: the model's last layer (its prompt ends the forward: the eager position log is let go).
@@ -199,48 +203,53 @@ class PackedDeltaLayer(FixedBatch, StaticLayer):
 
     def __init__(self, inner, max_cache_len: int, shared: SharedPositions, last: bool) -> None:
         super().__init__(max_cache_len)
-        from ..codecs.adaptive import AdaptiveChannelCodec
         from ..codecs.plain import PlainCodec
         from ..codecs.rotation import RotatedCodec
 
         self.inner, self.shared, self.last = inner, shared, last
-        keys, values = inner.key_codec, inner.value_codec
+        values = inner.value_codec
         self.rotated = isinstance(values, RotatedCodec)
         plain = values.inner if self.rotated else values
-        if not isinstance(keys, AdaptiveChannelCodec) or not isinstance(plain, PlainCodec) or inner.window:
-            raise ValueError("max_cache_len serves DeltaKVCache's default coding (keys='channel', values in a block "
-                             "format) on full-attention layers")  # fmt: skip
-        self.group, self.pad, self.first_group = keys.group, keys.pad, keys.first_group
+        if not isinstance(plain, PlainCodec) or not self._serves(inner.key_codec) or inner.window:
+            raise ValueError(f"max_cache_len serves {self.serves} on full-attention layers")
         self.v_format, self.search_scale = plain.fmt, plain.search_scale
         self.sinks = inner.sink_tokens
-        self.clip_range, self.query_weights = keys.clip_range, keys.query_weights
+        self.group, self.pad = inner.key_codec.group, getattr(inner.key_codec, "pad", 0)
         self.packed = packed_classes(self)
         self.counts = torch.zeros(4, dtype=torch.int64)  # host counters (`kernels.ops`: TOKENS, CODED, ...)
         self.cumulative_length = self.counts[ops.TOKENS]  # (a view: StaticLayer's length tensor)
         self.pair = None  # the eager layer's keys and values during a prompt (`update` to `attend_packed`)
+
+    serves = "a CompressedKVCache's coding"  # (what the subclass serves, for the error above)
+
+    def _serves(self, keys) -> bool:
+        """Whether the subclass serves the eager layer's key codec."""
+        raise NotImplementedError
+
+    def _make_keys(self, make, groups: int, dim: int) -> None:
+        """Allocate the keys' storage of `groups` groups (`make(*shape, dtype=)`: zeros `[batch, kv_heads, *shape]`)."""
+        raise NotImplementedError
+
+    def key_tensors(self) -> list[torch.Tensor]:
+        """The keys' storage (coded groups and coder state; the raw tail is the layer's)."""
+        raise NotImplementedError
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
         lead = (self.batch_size, self.num_heads)
-        codec = self.inner.key_codec
-        total = codec._budget(dim)
         groups = -(-(self.pad + self.max_cache_len - min(self.sinks, self.max_cache_len)) // self.group)
         sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
         make = lambda *shape, dtype: torch.zeros(*lead, *shape, dtype=dtype, device=self.device)  # noqa: E731
         self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
         self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
-        self.planes = make(groups, total, self.group // 8, dtype=torch.uint8)
-        self.depths = make(groups, dim // 2, dtype=torch.uint8)
-        self.low, self.step = (make(groups, dim, dtype=torch.float16) for _ in range(2))
+        self._make_keys(make, groups, dim)
         self.tail = make(self.group, dim, dtype=torch.float16)
         self.values = _zeros(self.v_format, (*lead, max(self.max_cache_len - self.sinks, 0)), value_dim, self.device)
-        self.energy, self.before = (make(dim, dtype=torch.float32) for _ in range(2))
         self.positions = self.shared.buffer(self.batch_size, self.max_cache_len, self.device)
         rope = self.inner.rope
         self.freqs, self.order = rope.on(self.device) if rope is not None else (None, None)
-        self.total_bits = total
         if not torch.compiler.is_compiling():
             for t in self.tensors():
                 torch._dynamo.mark_static_address(t)
@@ -248,8 +257,7 @@ class PackedDeltaLayer(FixedBatch, StaticLayer):
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor (batch first; the shared positions, the cache's to reorder once, not included)."""
-        fixed = [self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail]
-        return [*fixed, *self.values.tensors(), self.energy, self.before]
+        return [self.sink_keys, self.sink_values, *self.key_tensors(), self.tail, *self.values.tensors()]
 
     def _options(self) -> dict:
         return {"v_format": self.v_format, "rotation": rotation_block(self.v_head_dim) if self.rotated else 0}
@@ -258,7 +266,7 @@ class PackedDeltaLayer(FixedBatch, StaticLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens and return `attention.packed` placeholders `[batch, heads, max_cache_len, dim]` (SDPA on
-        them is answered by `attend_packed`). One token: `kernels.ops.adaptive_append`; several (a prompt, not
+        them is answered by `attend_packed`). One token: `kernels.ops.stream_append`; several (a prompt, not
         compiled): the eager layer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -285,7 +293,7 @@ class PackedDeltaLayer(FixedBatch, StaticLayer):
             raise RuntimeError("a compiled step of this cache takes one token per sequence (compile the decoding only)")
         ids = given_position_ids(kwargs, None, 1, key_states)  # (None: the op takes the count of tokens held)
         values = self.values
-        torch.ops.hf_deltakv.adaptive_append(
+        torch.ops.hf_deltakv.stream_append(
             key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
             values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
             search_scale=self.search_scale, **self._options(),
@@ -314,79 +322,71 @@ class PackedDeltaLayer(FixedBatch, StaticLayer):
         batch, _, n, _ = query.shape
         if mask is not None:
             mask = mask[:, 0].expand(batch, n, self.max_cache_len)
-        values = self.values
-        out = torch.ops.hf_deltakv.adaptive_attention(
-            query, mask, self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail,
-            values.codes, values.scales, values.mins, self.positions, self.freqs, self.order, self.energy,
-            self.before, self.counts, pad=self.pad, total_bits=self.total_bits,
-            clip_range=self.clip_range, query_weights=self.query_weights,
-            scale=float(scale), **self._options(),
-        )  # fmt: skip
-        return out.to(query.dtype)
+        return self._attend_step(query, mask, float(scale)).to(query.dtype)
+
+    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """A decoding step's attention (the subclass's op): fp32 `[batch, heads, n, value_dim]`."""
+        raise NotImplementedError
 
     def _to_inner(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Before the eager layer takes a prompt or chunk: it holds the stored tokens (copies of them) when it holds
         none, as if it had stored them itself (its codecs' state set from the storage and the counters)."""
         inner = self.inner
-        held, coded, observed, summed = self.counts.tolist()
+        held = int(self.counts[ops.TOKENS])
         if inner.is_initialized or not held:
             return
         inner.lazy_initialization(key_states, value_states)
         inner.cumulative_length = held
-        sinks = min(held, self.sinks)
-        inner.sink_keys, inner.sink_values = (t[:, :, :sinks].clone() for t in (self.sink_keys, self.sink_values))
-        stream = held - sinks
-        keys = inner.key_codec
-        for name, stored in zip(("planes", "depths", "low", "step"), (self.planes, self.depths, self.low, self.step),
-                                strict=True):  # fmt: skip
-            setattr(keys, name, stored[:, :, :coded].clone() if coded else None)
-        tokens = coded * self.group - self.pad if coded else 0
-        keys.tail, keys.length, keys.coded = self.tail[:, :, : stream - tokens].clone(), stream, coded
-        keys.energy, keys.observed = (self.energy.clone() if observed else None), observed
-        open_group = self.first_group + coded
-        keys.before_group = {open_group: (self.before.clone(), summed)} if summed else {}
+        if self.sinks:
+            sinks = min(held, self.sinks)
+            inner.sink_keys, inner.sink_values = (t[:, :, :sinks].clone() for t in (self.sink_keys, self.sink_values))
+        stream = held - min(held, self.sinks)
+        self._keys_to_inner(inner.key_codec, stream)
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
         plain.stored, plain.length = self.values.map(lambda t: t[:, :, :stream].clone()), stream
-        log = inner.positions
+        log = inner.positions if inner.rope is not None else None  # (keys after RoPE: no positions kept)
         if log is not None and (log.ids is None or log.ids.shape[1] != held):
             log.reset()
             log.record(0, held, self.positions[:, :held])
+
+    def _keys_to_inner(self, keys, stream: int) -> None:
+        """The eager key codec's state set from the storage (`stream` tokens after the sinks)."""
+        raise NotImplementedError
+
+    def _tail_start(self, coded: int) -> int:
+        """The stream token the raw tail's first row holds when `coded` groups are coded."""
+        return coded * self.group - self.pad if coded else 0
 
     def _from_inner(self) -> None:
         """After the eager layer's attention has read a prompt: its state into the storage (the key groups it
         completed are coded by then), the eager layer emptied."""
         inner = self.inner
         keys = inner.key_codec
-        keys.layout()  # (codes the complete groups, as the next read would, with the same query sums)
-        held, coded = inner.cumulative_length, keys.coded
+        keys.layout()  # (codes the complete groups, as the next read would)
+        held = inner.cumulative_length
         if inner.sink_keys is not None:
             sinks = inner.sink_keys.shape[2]
             self.sink_keys[:, :, :sinks] = inner.sink_keys
             self.sink_values[:, :, :sinks] = inner.sink_values
-        if coded:
-            for stored, rows in zip((self.planes, self.depths, self.low, self.step),
-                                    (keys.planes, keys.depths, keys.low, keys.step), strict=True):  # fmt: skip
-                stored[:, :, :coded] = rows
+        coded, observed, summed = self._keys_from_inner(keys)
         self.tail[:, :, : keys.tail.shape[2]] = keys.tail
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
         if plain.stored is not None:
             for stored, rows in zip(self.values.tensors(), plain.stored.tensors(), strict=True):
                 stored[:, :, : plain.length] = rows
-        if keys.energy is not None:
-            self.energy.copy_(keys.energy)
-        open_group = self.first_group + coded
-        summed = 0
-        if open_group in keys.before_group:
-            before, summed = keys.before_group[open_group]
-            self.before.copy_(before)
-        if inner.positions is not None and inner.positions.ids is not None:
+        if inner.rope is not None and inner.positions.ids is not None:
             self.positions[:, :held] = inner.positions.ids
         elif held:
             self.positions[:, :held] = torch.arange(held, dtype=torch.int32, device=self.device)
-        self.counts.copy_(torch.tensor([held, coded, keys.observed, summed]))
+        self.counts.copy_(torch.tensor([held, coded, observed, summed]))
         inner.reset()
         if self.last and inner.positions is not None:
             inner.positions.reset()
+
+    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
+        """The eager key codec's coded groups (and coder state) into the storage: (groups coded, and the subclass's
+        OBSERVED and BEFORE counters)."""
+        raise NotImplementedError
 
     def crop(self, max_length: int) -> None:
         """Keep the first tokens (`StreamLayer.crop`'s semantics), through the eager layer (a cut inside a coded key
@@ -413,18 +413,134 @@ class PackedDeltaLayer(FixedBatch, StaticLayer):
         return sum(t.numel() * t.element_size() for t in self.tensors()) if self.is_initialized else 0
 
     def used_nbytes(self) -> int:
-        """Bytes of what the tokens held fill: the sinks, the coded key groups, the open group's raw keys, the values
-        written, the query sums (what the eager layer holds for them, less its buffers' room)."""
+        """Bytes of what the tokens held fill: the sinks, the coded key groups (and coder state), the open group's raw
+        keys, the values written (what the eager layer holds for them, less its buffers' room)."""
         if not self.is_initialized:
             return 0
-        held, coded, _, _ = self.counts.tolist()
+        held, coded = self.counts.tolist()[:2]
         stream = max(held - self.sinks, 0)
-        tokens = coded * self.group - self.pad if coded else 0
-        rows = lambda t, n: t.numel() // max(t.shape[2], 1) * n * t.element_size()  # noqa: E731
-        used = [rows(t, min(held, self.sinks)) for t in (self.sink_keys, self.sink_values)]
-        used += [rows(t, coded) for t in (self.planes, self.depths, self.low, self.step)]
-        used += [rows(self.tail, stream - tokens), *(rows(t, stream) for t in self.values.tensors())]
-        return sum(used) + self.energy.numel() * 4 * 2
+        used = [_rows(t, min(held, self.sinks)) for t in (self.sink_keys, self.sink_values)]
+        used += [_rows(self.tail, stream - self._tail_start(coded)), *(_rows(t, stream) for t in self.values.tensors())]
+        return sum(used) + self._used_key_bytes(coded)
+
+    def _used_key_bytes(self, coded: int) -> int:
+        """Bytes of `coded` groups of the keys' storage (and the coder state)."""
+        raise NotImplementedError
+
+
+def _rows(t: torch.Tensor, n: int) -> int:
+    """Bytes of the first `n` rows (dimension 2) of `t`."""
+    return t.numel() // max(t.shape[2], 1) * n * t.element_size()
+
+
+class PackedDeltaLayer(PackedStreamLayer):
+    """A `DeltaKVCache` layer (adaptive per-channel key groups, per-token values) whose decoding step compiles
+    (`PackedStreamLayer`; its attention op `hf_deltakv::adaptive_attention`: the queries observed, the group the token
+    completes coded at query-weighted depths). Args: as `PackedStreamLayer`."""
+
+    serves = "DeltaKVCache's default coding (keys='channel', values in a block format)"
+
+    def _serves(self, keys) -> bool:
+        from ..codecs.adaptive import AdaptiveChannelCodec
+
+        if not isinstance(keys, AdaptiveChannelCodec):
+            return False
+        self.first_group = keys.first_group
+        self.clip_range, self.query_weights = keys.clip_range, keys.query_weights
+        return True
+
+    def _make_keys(self, make, groups: int, dim: int) -> None:
+        self.total_bits = total = self.inner.key_codec._budget(dim)
+        self.planes = make(groups, total, self.group // 8, dtype=torch.uint8)
+        self.depths = make(groups, dim // 2, dtype=torch.uint8)
+        self.low, self.step = (make(groups, dim, dtype=torch.float16) for _ in range(2))
+        self.energy, self.before = (make(dim, dtype=torch.float32) for _ in range(2))
+
+    def key_tensors(self) -> list[torch.Tensor]:
+        return [self.planes, self.depths, self.low, self.step, self.energy, self.before]
+
+    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        values = self.values
+        return torch.ops.hf_deltakv.adaptive_attention(
+            query, mask, self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail,
+            values.codes, values.scales, values.mins, self.positions, self.freqs, self.order, self.energy,
+            self.before, self.counts, pad=self.pad, total_bits=self.total_bits,
+            clip_range=self.clip_range, query_weights=self.query_weights, scale=scale, **self._options(),
+        )  # fmt: skip
+
+    def _keys_to_inner(self, keys, stream: int) -> None:
+        _, coded, observed, summed = self.counts.tolist()
+        for name, stored in zip(("planes", "depths", "low", "step"), (self.planes, self.depths, self.low, self.step),
+                                strict=True):  # fmt: skip
+            setattr(keys, name, stored[:, :, :coded].clone() if coded else None)
+        keys.tail = self.tail[:, :, : stream - self._tail_start(coded)].clone()
+        keys.length, keys.coded = stream, coded
+        keys.energy, keys.observed = (self.energy.clone() if observed else None), observed
+        open_group = self.first_group + coded
+        keys.before_group = {open_group: (self.before.clone(), summed)} if summed else {}
+
+    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
+        coded = keys.coded
+        if coded:
+            for stored, rows in zip((self.planes, self.depths, self.low, self.step),
+                                    (keys.planes, keys.depths, keys.low, keys.step), strict=True):  # fmt: skip
+                stored[:, :, :coded] = rows
+        if keys.energy is not None:
+            self.energy.copy_(keys.energy)
+        open_group = self.first_group + coded
+        summed = 0
+        if open_group in keys.before_group:
+            before, summed = keys.before_group[open_group]
+            self.before.copy_(before)
+        return coded, keys.observed, summed
+
+    def _used_key_bytes(self, coded: int) -> int:
+        return sum(_rows(t, coded) for t in (self.planes, self.depths, self.low, self.step)) + self.energy.nbytes * 2
+
+
+class PackedChannelLayer(PackedStreamLayer):
+    """A `KIVIKVCache` layer (keys quantized per channel over groups of tokens, values per token) whose decoding step
+    compiles (`PackedStreamLayer`; its attention op `hf_deltakv::channel_attention`: the group the token completes
+    quantized channel by channel). Args: as `PackedStreamLayer`."""
+
+    serves = "KIVIKVCache's coding (keys per channel over groups of tokens, values in a block format)"
+
+    def _serves(self, keys) -> bool:
+        from ..codecs.channel import ChannelGroupCodec
+
+        return isinstance(keys, ChannelGroupCodec)
+
+    def _make_keys(self, make, groups: int, dim: int) -> None:
+        fmt = self.inner.key_codec.fmt
+        self.k_format = fmt.name
+        self.groups = _zeros(fmt.name, (self.batch_size, self.num_heads, groups, dim), self.group, self.device)
+
+    def key_tensors(self) -> list[torch.Tensor]:
+        return self.groups.tensors()
+
+    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        keys, values = self.groups, self.values
+        return torch.ops.hf_deltakv.channel_attention(
+            query, mask, self.sink_keys, self.sink_values, keys.codes, keys.scales, keys.mins, self.tail, values.codes,
+            values.scales, values.mins, self.positions, self.freqs, self.order, self.counts, k_format=self.k_format,
+            scale=scale, **self._options(),
+        )  # fmt: skip
+
+    def _keys_to_inner(self, keys, stream: int) -> None:
+        coded = int(self.counts[ops.CODED])
+        keys.groups = self.groups.map(lambda t: t[:, :, :coded].clone()) if coded else None
+        keys.tail = self.tail[:, :, : stream - self._tail_start(coded)].clone()
+        keys.length = stream
+
+    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
+        coded = keys._coded() // self.group
+        if coded:
+            for stored, rows in zip(self.groups.tensors(), keys.groups.tensors(), strict=True):
+                stored[:, :, :coded] = rows
+        return coded, 0, 0
+
+    def _used_key_bytes(self, coded: int) -> int:
+        return sum(_rows(t, coded) for t in self.groups.tensors())
 
 
 class SharedPositions:
