@@ -12,7 +12,13 @@ from .cache import (
     StreamingLLMCache,
 )
 from .residual.cache import ResidualKVCache
-from .static import StaticDeltaKVCache, StaticKIVIKVCache, StaticQuantizedKVCache
+from .static import (
+    StaticDeltaKVCache,
+    StaticKIVIKVCache,
+    StaticQuantizedKVCache,
+    StaticSnapKVCache,
+    StaticStreamingLLMCache,
+)
 from .weight_skip import SkipSimulator, enable_weight_skip
 
 __all__ = [
@@ -28,6 +34,8 @@ __all__ = [
     "StaticDeltaKVCache",
     "StaticKIVIKVCache",
     "StaticQuantizedKVCache",
+    "StaticSnapKVCache",
+    "StaticStreamingLLMCache",
     "StreamingLLMCache",
     "enable_weight_skip",
 ]

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache import model_layer_types, text_config
-from .layers.static import PackedChannelLayer, PackedDeltaLayer, PackedStaticLayer, SharedPositions
+from .layers.static import PackedChannelLayer, PackedDeltaLayer, PackedKeptLayer, PackedStaticLayer, SharedPositions
 from .quant import get_format
 
 
@@ -183,3 +183,37 @@ class StaticKIVIKVCache(StaticStreamCache):
 
         eager = KIVIKVCache(k_format, v_format, sink_tokens, model=model, pre_rope=pre_rope)
         super().__init__(eager, PackedChannelLayer, max_cache_len, model)
+
+
+class StaticStreamingLLMCache(StaticStreamCache):
+    """`StreamingLLMCache` whose decoding step compiles (`layers.static.PackedKeptLayer`): fp16 slots preallocated for
+    what it keeps of `max_cache_len` tokens (`keep` of them, the sinks first, and the room its buffers grow by), the
+    same tokens kept and the same outputs. Needs the model (`model=`), SDPA attention and full-attention layers.
+
+    Args:
+        keep, sink_tokens: as `StreamingLLMCache`.
+        max_cache_len: tokens the cache can see (prompt and new tokens).
+        model: the model.
+
+    >>> # cache = StaticStreamingLLMCache(keep=0.3, max_cache_len=4096, model=model)
+    """
+
+    def __init__(self, keep: float = 0.3, sink_tokens: int = 4, *, max_cache_len: int, model) -> None:
+        from .cache import StreamingLLMCache
+
+        super().__init__(StreamingLLMCache(keep, sink_tokens, model=model), PackedKeptLayer, max_cache_len, model)
+
+
+class StaticSnapKVCache(StaticStreamCache):
+    """`SnapKVCache` whose decoding step compiles (`layers.static.PackedKeptLayer`), as `StaticStreamingLLMCache`.
+
+    Args:
+        keep, window, kernel: as `SnapKVCache`.
+        max_cache_len: tokens the cache can see (prompt and new tokens).
+        model: the model.
+    """
+
+    def __init__(self, keep: float = 0.3, window: int = 32, kernel: int = 7, *, max_cache_len: int, model) -> None:
+        from .cache import SnapKVCache
+
+        super().__init__(SnapKVCache(keep, window, kernel, model=model), PackedKeptLayer, max_cache_len, model)

@@ -16,6 +16,7 @@ import torch
 
 from .. import kernels
 from ..kernels.hadamard import rotate
+from ..kernels.layout import ROOM_FRACTION, ROOM_MIN  # (the room growing stores keep)
 from ..quant import QuantizedTensor, nbytes_of, owned, saturate_fp16
 
 State = torch.Tensor | QuantizedTensor | None
@@ -195,12 +196,6 @@ def move_rows(grown: State, stored: State) -> None:
         kernels.copy_rows(pairs)
 
 
-# Room a growing store keeps for later appends (decoding), as a fraction of what it holds (at least ROOM_MIN tokens):
-# appending a token then copies nothing most of the time, and a regrowth copies the history once per 1/ROOM_FRACTION
-# of its length. The first append (a prefill) gets no room. The room is held memory, so `nbytes` counts it (the
-# buffer's whole storage).
-ROOM_FRACTION = 32
-ROOM_MIN = 1
 # A decoding step of a grouped key stream (the adaptive keys) grows nothing between the steps that code a group: the
 # raw tail keeps room for a group, the values and positions for the tokens up to the next group's end. Streams
 # shorter than this many groups grow as above instead (room for a group ahead would be most of what they hold).

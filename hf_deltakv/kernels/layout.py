@@ -14,6 +14,13 @@ import torch
 
 from ..quant import QuantizedTensor
 
+# Room a growing store keeps for later appends (decoding), as a fraction of what it holds (at least ROOM_MIN tokens):
+# appending a token then copies nothing most of the time, and a regrowth copies the history once per 1/ROOM_FRACTION
+# of its length. The first append (a prefill) gets no room. The room is held memory, so `nbytes` counts it (the
+# buffer's whole storage).
+ROOM_FRACTION = 32
+ROOM_MIN = 1
+
 
 class StreamKind(IntEnum):
     """The storage scheme of a stream (what the C++ kernel switches on)."""

@@ -11,11 +11,13 @@ dispatch runs when the graph runs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..quant import FP16_MAX, QuantizedTensor, get_format
 from .hadamard import rotation_block
-from .layout import AdaptiveStream, ChannelStream, PlainStream, RopeAngles
+from .layout import ROOM_FRACTION, ROOM_MIN, AdaptiveStream, ChannelStream, KeptStream, PlainStream, RopeAngles
 from .online_softmax import OnlineSoftmax
 
 _LIBRARY = torch.library.Library("hf_deltakv", "DEF")
@@ -338,4 +340,125 @@ def channel_attention(
 @_fake
 def _channel_attention(query, mask, sink_keys, sink_values, k_codes, k_scales, k_mins, tail, v_codes, v_scales,
                        v_mins, positions, freqs, order, counts, *, k_format, v_format, rotation, scale):  # fmt: skip
+    return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
+
+
+# --- Evicting layers (`layers.static.PackedKeptLayer`: StreamingLLMCache's, SnapKVCache's) ---------------------------
+# fp16 slots preallocated (keys, values, each slot's position: `KeptStream`'s buffers), the steps of
+# `layers.evicting.EvictingLayer` over them: `kept_append` (the token into the slot after the last, the kept tokens
+# compacted first when the room is spent) and `kept_attention_step` (attention over the sinks and the slots, then the
+# policy's eviction, the kept tokens compacted when the evicted slots are worth a copy). Their host counters, `counts`
+# int64 `[5]`: the tokens seen (sinks included), the slots used, the first slot not evicted by StreamingLLM's counter,
+# the tokens kept, and the slots the eager layer's buffers would hold (the room it grows by: the same compactions,
+# hence the same slots and bytes, capped at the capacity). SnapKV's evicted slots are marked at once (-1), where the
+# eager layer marks them at its next update: nothing reads them in between.
+SLOTS, FIRST, LIVE, END = range(1, 5)
+
+
+def _compact_in_place(keys, values, index, slots: int, first: int, live: int, room: int) -> int:
+    """The kept tokens of slots `first...slots` moved, in order, into the first `live` slots (through a copy of the
+    slots used: `kernels.compact_kept`); returns the slots the eager layer's new buffers hold, `live + room`, at most
+    the capacity."""
+    from . import compact_kept
+
+    held = KeptStream(*(t[:, :, :slots].clone() for t in (keys, values, index)), first, live)
+    compact_kept(held, None, KeptStream(keys, values, index, 0, live))
+    return min(live + room, keys.shape[2])
+
+
+@_op(mutates_args=("sink_keys", "sink_values", "keys", "values", "index", "counts"))
+def kept_append(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """One new token of an evicting layer (`key`, `value` `[batch, kv_heads, 1, dim]`): while fewer than
+    `sink_keys.shape[2]` tokens are seen, raw into the sinks (fp16 saturates); else into the slot after the last of
+    `keys`, `values` fp16 and `index` int32 `[batch, kv_heads, capacity, ...]` with its position, the kept tokens
+    compacted first when the slots the eager layer would hold are all used (`EvictingLayer._room`)."""
+    from . import keep_rows
+
+    seen, slots, first, live, end = counts.tolist()
+    sinks = sink_keys.shape[2]
+    if seen < sinks:
+        for target, x in ((sink_keys, key), (sink_values, value)):
+            x = x.clamp(-FP16_MAX, FP16_MAX) if target.dtype == torch.float16 else x
+            target[:, :, seen] = x[:, :, 0].to(target.dtype)
+        counts[0] += 1
+        return
+    if slots + 1 > end:  # the room is spent: the kept tokens compacted, room made (none for the first token)
+        room = 1 + (max(ROOM_MIN, (live + 1) // ROOM_FRACTION) if slots else 0)
+        end = _compact_in_place(keys, values, index, slots, first, live, room) if slots else min(room, keys.shape[2])
+        slots, first = live, 0
+    if slots + 1 > keys.shape[2]:
+        raise RuntimeError(f"an evicting layer's {keys.shape[2]} slots are all used (a bug: they hold its budget)")
+    stream = KeptStream(keys[:, :, :end], values[:, :, :end], index[:, :, :end], first, live)
+    keep_rows(key, value, stream, slots, seen)
+    counts.copy_(torch.tensor([seen + 1, slots + 1, first, live + 1, end]))
+
+
+@_fake
+def _kept_append(key, value, sink_keys, sink_values, keys, values, index, counts):
+    return None
+
+
+@_op(mutates_args=("keys", "values", "index", "counts"))
+def kept_attention_step(
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    keep: float,
+    recent: int,
+    pool: int,
+    snapkv: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a decoding step's `query` `[batch, heads, n, dim]` over an evicting layer's sinks and kept slots
+    (`kernels.kept_attention`, a slot's column of `mask` bool `[batch, n, max_cache_len]` its position; None: causal),
+    then `EvictingLayer.read_done`: what exceeds `keep` of the tokens seen (at least `recent` kept) evicted, the oldest
+    (StreamingLLM) or SnapKV's choice from this step's attention (`snapkv`: pooled over `pool` neighbours, the `recent`
+    newest never), the kept tokens compacted when the evicted slots are worth a copy. Returns fp32 `[batch, heads, n,
+    value_dim]`."""
+    from . import kept_attention, snapkv_evicted
+
+    seen, slots, first, live, end = counts.tolist()
+    n = query.shape[2]
+    sinks = sink_keys.shape[2]
+    if not slots:  # every token is a sink
+        return _attend(query, mask, sink_keys, sink_values, None, None, None, None, None, seen, scale)
+    mask = None if mask is None else mask[:, None, :, :seen]
+    stream = KeptStream(keys[:, :, :slots], values[:, :, :slots], index[:, :, :slots], first, live)
+    observe_from = max(n - recent, 0) if snapkv else None
+    out, observed = kept_attention(query, sink_keys, sink_values, stream, mask, scale, seen - n, observe_from)
+    budget = max(math.ceil(keep * seen) - sinks, recent)
+    drop = live - budget
+    if drop > 0:
+        if not snapkv:  # the oldest: the first slots
+            first += drop
+        else:
+            if observed is None:  # (no attention observed: the oldest)
+                observed = torch.zeros(stream.index.shape, dtype=torch.float32, device=keys.device)
+            index.scatter_(2, snapkv_evicted(stream, observed, drop, min(recent, budget), pool), -1)
+        live -= drop
+        if slots - live > max(ROOM_MIN, live // ROOM_FRACTION):  # evicted slots worth a copy
+            end = _compact_in_place(keys, values, index, slots, first, live, max(ROOM_MIN, live // ROOM_FRACTION))
+            slots, first = live, 0
+    counts.copy_(torch.tensor([seen, slots, first, live, end]))
+    return out.float()
+
+
+@_fake
+def _kept_attention_step(query, mask, sink_keys, sink_values, keys, values, index, counts, *, keep, recent, pool,
+                         snapkv, scale):  # fmt: skip
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)

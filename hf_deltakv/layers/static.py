@@ -19,6 +19,8 @@ tokens (`PackedDeltaLayer`: DeltaKVCache's adaptive keys; `PackedChannelLayer`: 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
@@ -182,17 +184,153 @@ class PackedStaticLayer(FixedBatch, StaticLayer):
         return self.nbytes() * int(self.cumulative_length) // self.max_cache_len
 
 
-class PackedStreamLayer(FixedBatch, StaticLayer):
+class EagerPromptLayer(FixedBatch, StaticLayer):
+    """A layer of one of our eager caches (`inner`) with its storage preallocated to `max_cache_len` tokens, whose
+    decoding step compiles: a decoding step (one token) is two ops over the preallocated storage, whose counters
+    (`counts`, int64, the first the tokens held) are host tensors (`kernels.ops`): the subclass's append op in
+    `update`, its attention op when SDPA reads the `attention.packed` placeholders `update` returns. They run the
+    steps of the eager layer, through the same kernels, so the same bytes. A prompt or chunk of several tokens runs
+    the eager layer itself (given the stored tokens first when it holds none: `_to_inner`), whose state then moves into
+    the preallocated storage once its attention has read it (`_from_inner`); the eager layer then holds nothing.
+
+    Args:
+        inner: the eager layer.
+        max_cache_len: tokens the layer can hold.
+        counters: how many host counters the subclass's ops keep.
+    """
+
+    def __init__(self, inner, max_cache_len: int, counters: int) -> None:
+        super().__init__(max_cache_len)
+        self.inner = inner
+        self.sinks = inner.sink_tokens
+        self.packed = packed_classes(self)
+        self.counts = torch.zeros(counters, dtype=torch.int64)  # host counters (see `kernels.ops`)
+        self.cumulative_length = self.counts[ops.TOKENS]  # (a view: StaticLayer's length tensor)
+        self.pair = None  # the eager layer's keys and values during a prompt (`update` to `attend_packed`)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens and return `attention.packed` placeholders `[batch, heads, max_cache_len, dim]` (SDPA on
+        them is answered by `attend_packed`). One token: the subclass's op (`_append_step`); several (a prompt, not
+        compiled): the eager layer."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if not torch.compiler.is_compiling():
+            held = int(self.counts[ops.TOKENS])
+            if held + n > self.max_cache_len:
+                raise ValueError(
+                    f"this cache holds at most max_cache_len={self.max_cache_len} tokens; {held} are held and {n} "
+                    "more were given: make the cache with a larger max_cache_len"
+                )
+            if n != 1:
+                self._to_inner(key_states, value_states)
+                try:
+                    self.pair = self.inner.update(key_states, value_states, *args, **kwargs)
+                except BaseException:
+                    self.inner.reset()  # (the storage still holds every token: given again to the next chunk)
+                    raise
+                return self._placeholders()
+            if self.inner.is_initialized:  # a chunk no attention read: its state into the storage first
+                self.pair = None
+                self._from_inner()
+        elif n != 1:
+            raise RuntimeError("a compiled step of this cache takes one token per sequence (compile the decoding only)")
+        self._append_step(key_states, value_states, kwargs)
+        return self._placeholders()
+
+    def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
+        """A decoding step's token into the storage (the subclass's op)."""
+        raise NotImplementedError
+
+    def _placeholders(self):
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        return packed_pair(self.packed, (*shape, self.k_head_dim), (*shape, self.v_head_dim), self.dtype, self.device)
+
+    def attend_packed(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """`scaled_dot_product_attention(query, keys, values, mask)` over the tokens held (`attention.packed`)."""
+        if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != self.max_cache_len):
+            raise RuntimeError(
+                f"a compiled cache layer takes a mask [batch, 1, n, {self.max_cache_len}], got {tuple(mask.shape)}"
+            )
+        if not torch.compiler.is_compiling() and self.pair is not None:  # a prompt: the eager layer's SDPA, then
+            # its state into the storage
+            pair, self.pair = self.pair, None
+            held = pair[0].shape[2]
+            gqa = query.shape[1] != self.num_heads
+            masked = {"is_causal": True} if mask is None else {"attn_mask": mask[..., :held]}
+            out = F.scaled_dot_product_attention(query, *pair, scale=scale, enable_gqa=gqa, **masked)
+            self._from_inner()
+            return out
+        batch, _, n, _ = query.shape
+        if mask is not None:
+            mask = mask[:, 0].expand(batch, n, self.max_cache_len)
+        return self._attend_step(query, mask, float(scale)).to(query.dtype)
+
+    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """A decoding step's attention (the subclass's op) under `mask` bool `[batch, n, max_cache_len]` (None:
+        causal): fp32 `[batch, heads, n, value_dim]`."""
+        raise NotImplementedError
+
+    def _to_inner(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Before the eager layer takes a prompt or chunk: it holds the stored tokens (copies of them) when it holds
+        none, as if it had stored them itself (its state set from the storage and the counters)."""
+        inner = self.inner
+        held = int(self.counts[ops.TOKENS])
+        if inner.is_initialized or not held:
+            return
+        inner.lazy_initialization(key_states, value_states)
+        inner.cumulative_length = held
+        if self.sinks:
+            sinks = min(held, self.sinks)
+            inner.sink_keys, inner.sink_values = (t[:, :, :sinks].clone() for t in (self.sink_keys, self.sink_values))
+        self._stream_to_inner(held - min(held, self.sinks))
+
+    def _stream_to_inner(self, stream: int) -> None:
+        """The eager layer's stream state set from the storage (`stream` tokens after the sinks)."""
+        raise NotImplementedError
+
+    def _sinks_from_inner(self) -> None:
+        inner = self.inner
+        if inner.sink_keys is not None:
+            sinks = inner.sink_keys.shape[2]
+            self.sink_keys[:, :, :sinks] = inner.sink_keys
+            self.sink_values[:, :, :sinks] = inner.sink_values
+
+    def _from_inner(self) -> None:
+        """After the eager layer's attention has read a prompt: its state into the storage, the eager layer emptied."""
+        raise NotImplementedError
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first tokens (`StreamLayer.crop`'s semantics), through the eager layer."""
+        if not self.is_initialized or not int(self.counts[ops.TOKENS]):
+            return
+        like = torch.empty(self.batch_size, self.num_heads, 0, self.k_head_dim, dtype=self.dtype, device=self.device)
+        self._to_inner(like, like.new_empty(*like.shape[:3], self.v_head_dim))
+        self.inner.crop(max_length)
+        self._from_inner()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for t in self.tensors():
+                t.zero_()
+        self.counts.zero_()
+        self.inner.reset()
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> int:
+        """Bytes held: the whole capacity's storage (allocated up front; a cache's shared positions not included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors()) if self.is_initialized else 0
+
+
+class PackedStreamLayer(EagerPromptLayer):
     """A layer of a `CompressedKVCache` (keys coded by groups of tokens after a raw fp16 tail, values per token in a
     block format, raw sinks first) with its storage preallocated to `max_cache_len` tokens, whose decoding step
-    compiles. The keys' coding is the subclass's: `PackedDeltaLayer` (DeltaKVCache), `PackedChannelLayer` (KIVI).
-
-    A decoding step (one token) is two ops over the preallocated storage, whose counters are host tensors
-    (`kernels.ops`: `stream_append` in `update`, the subclass's attention op when SDPA reads the `attention.packed`
-    placeholders `update` returns): the steps of the eager layer, through the same kernels, so the same bytes. A
-    prompt or chunk of several tokens runs the eager layer itself (`inner`: `layers.compressed.CompressedLayer`, given
-    the stored tokens first when it holds none), whose state then moves into the preallocated storage once its
-    attention has read it; the eager layer then holds nothing.
+    compiles (`EagerPromptLayer`): `kernels.ops.stream_append`, then the keys' attention op. The keys' coding is the
+    subclass's: `PackedDeltaLayer` (DeltaKVCache), `PackedChannelLayer` (KIVI).
 
     Args:
         inner: the eager layer (values `PlainCodec`, maybe rotated; keys the subclass's codec).
@@ -202,23 +340,18 @@ class PackedStreamLayer(FixedBatch, StaticLayer):
     """
 
     def __init__(self, inner, max_cache_len: int, shared: SharedPositions, last: bool) -> None:
-        super().__init__(max_cache_len)
+        super().__init__(inner, max_cache_len, 4)
         from ..codecs.plain import PlainCodec
         from ..codecs.rotation import RotatedCodec
 
-        self.inner, self.shared, self.last = inner, shared, last
+        self.shared, self.last = shared, last
         values = inner.value_codec
         self.rotated = isinstance(values, RotatedCodec)
         plain = values.inner if self.rotated else values
         if not isinstance(plain, PlainCodec) or not self._serves(inner.key_codec) or inner.window:
             raise ValueError(f"max_cache_len serves {self.serves} on full-attention layers")
         self.v_format, self.search_scale = plain.fmt, plain.search_scale
-        self.sinks = inner.sink_tokens
         self.group, self.pad = inner.key_codec.group, getattr(inner.key_codec, "pad", 0)
-        self.packed = packed_classes(self)
-        self.counts = torch.zeros(4, dtype=torch.int64)  # host counters (`kernels.ops`: TOKENS, CODED, ...)
-        self.cumulative_length = self.counts[ops.TOKENS]  # (a view: StaticLayer's length tensor)
-        self.pair = None  # the eager layer's keys and values during a prompt (`update` to `attend_packed`)
 
     serves = "a CompressedKVCache's coding"  # (what the subclass serves, for the error above)
 
@@ -262,35 +395,7 @@ class PackedStreamLayer(FixedBatch, StaticLayer):
     def _options(self) -> dict:
         return {"v_format": self.v_format, "rotation": rotation_block(self.v_head_dim) if self.rotated else 0}
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens and return `attention.packed` placeholders `[batch, heads, max_cache_len, dim]` (SDPA on
-        them is answered by `attend_packed`). One token: `kernels.ops.stream_append`; several (a prompt, not
-        compiled): the eager layer."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        if not torch.compiler.is_compiling():
-            held = int(self.counts[ops.TOKENS])
-            if held + n > self.max_cache_len:
-                raise ValueError(
-                    f"this cache holds at most max_cache_len={self.max_cache_len} tokens; {held} are held and {n} "
-                    "more were given: make the cache with a larger max_cache_len"
-                )
-            if n != 1:
-                self._to_inner(key_states, value_states)
-                try:
-                    self.pair = self.inner.update(key_states, value_states, *args, **kwargs)
-                except BaseException:
-                    self.inner.reset()  # (the storage still holds every token: given again to the next chunk)
-                    raise
-                return self._placeholders()
-            if self.inner.is_initialized:  # a chunk no attention read: its state into the storage first
-                self.pair = None
-                self._from_inner()
-        elif n != 1:
-            raise RuntimeError("a compiled step of this cache takes one token per sequence (compile the decoding only)")
+    def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
         ids = given_position_ids(kwargs, None, 1, key_states)  # (None: the op takes the count of tokens held)
         values = self.values
         torch.ops.hf_deltakv.stream_append(
@@ -298,49 +403,9 @@ class PackedStreamLayer(FixedBatch, StaticLayer):
             values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
             search_scale=self.search_scale, **self._options(),
         )  # fmt: skip
-        return self._placeholders()
 
-    def _placeholders(self):
-        shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        return packed_pair(self.packed, (*shape, self.k_head_dim), (*shape, self.v_head_dim), self.dtype, self.device)
-
-    def attend_packed(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """`scaled_dot_product_attention(query, keys, values, mask)` over the tokens held (`attention.packed`)."""
-        if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != self.max_cache_len):
-            raise RuntimeError(
-                f"a compiled cache layer takes a mask [batch, 1, n, {self.max_cache_len}], got {tuple(mask.shape)}"
-            )
-        if not torch.compiler.is_compiling() and self.pair is not None:  # a prompt: the eager layer's SDPA, then
-            # its state into the storage
-            pair, self.pair = self.pair, None
-            held = pair[0].shape[2]
-            gqa = query.shape[1] != self.num_heads
-            masked = {"is_causal": True} if mask is None else {"attn_mask": mask[..., :held]}
-            out = F.scaled_dot_product_attention(query, *pair, scale=scale, enable_gqa=gqa, **masked)
-            self._from_inner()
-            return out
-        batch, _, n, _ = query.shape
-        if mask is not None:
-            mask = mask[:, 0].expand(batch, n, self.max_cache_len)
-        return self._attend_step(query, mask, float(scale)).to(query.dtype)
-
-    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """A decoding step's attention (the subclass's op): fp32 `[batch, heads, n, value_dim]`."""
-        raise NotImplementedError
-
-    def _to_inner(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Before the eager layer takes a prompt or chunk: it holds the stored tokens (copies of them) when it holds
-        none, as if it had stored them itself (its codecs' state set from the storage and the counters)."""
-        inner = self.inner
-        held = int(self.counts[ops.TOKENS])
-        if inner.is_initialized or not held:
-            return
-        inner.lazy_initialization(key_states, value_states)
-        inner.cumulative_length = held
-        if self.sinks:
-            sinks = min(held, self.sinks)
-            inner.sink_keys, inner.sink_values = (t[:, :, :sinks].clone() for t in (self.sink_keys, self.sink_values))
-        stream = held - min(held, self.sinks)
+    def _stream_to_inner(self, stream: int) -> None:
+        inner, held = self.inner, int(self.counts[ops.TOKENS])
         self._keys_to_inner(inner.key_codec, stream)
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
         plain.stored, plain.length = self.values.map(lambda t: t[:, :, :stream].clone()), stream
@@ -364,10 +429,7 @@ class PackedStreamLayer(FixedBatch, StaticLayer):
         keys = inner.key_codec
         keys.layout()  # (codes the complete groups, as the next read would)
         held = inner.cumulative_length
-        if inner.sink_keys is not None:
-            sinks = inner.sink_keys.shape[2]
-            self.sink_keys[:, :, :sinks] = inner.sink_keys
-            self.sink_values[:, :, :sinks] = inner.sink_values
+        self._sinks_from_inner()
         coded, observed, summed = self._keys_from_inner(keys)
         self.tail[:, :, : keys.tail.shape[2]] = keys.tail
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
@@ -387,30 +449,6 @@ class PackedStreamLayer(FixedBatch, StaticLayer):
         """The eager key codec's coded groups (and coder state) into the storage: (groups coded, and the subclass's
         OBSERVED and BEFORE counters)."""
         raise NotImplementedError
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first tokens (`StreamLayer.crop`'s semantics), through the eager layer (a cut inside a coded key
-        group decodes its kept tokens back to the raw tail, as there)."""
-        if not self.is_initialized or not int(self.counts[ops.TOKENS]):
-            return
-        like = torch.empty(self.batch_size, self.num_heads, 0, self.k_head_dim, dtype=self.dtype, device=self.device)
-        self._to_inner(like, like.new_empty(*like.shape[:3], self.v_head_dim))
-        self.inner.crop(max_length)
-        self._from_inner()
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            for t in (*self.tensors(), self.positions):
-                t.zero_()
-        self.counts.zero_()
-        self.inner.reset()
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def nbytes(self) -> int:
-        """Bytes held: the whole capacity's storage (allocated up front; the shared positions not included)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors()) if self.is_initialized else 0
 
     def used_nbytes(self) -> int:
         """Bytes of what the tokens held fill: the sinks, the coded key groups (and coder state), the open group's raw
@@ -541,6 +579,95 @@ class PackedChannelLayer(PackedStreamLayer):
 
     def _used_key_bytes(self, coded: int) -> int:
         return sum(_rows(t, coded) for t in self.groups.tensors())
+
+
+class PackedKeptLayer(EagerPromptLayer):
+    """An evicting layer (`layers.evicting.EvictingLayer`: StreamingLLM, SnapKV) whose decoding step compiles
+    (`EagerPromptLayer`): fp16 slots for the tokens kept, preallocated for the most the eager layer's buffers hold up to
+    `max_cache_len` tokens seen (the budget, `keep` of them, and its room), each slot's position; a decoding step is
+    `kernels.ops.kept_append`, then `kernels.ops.kept_attention_step` (attention, then the eviction). The same slots,
+    compactions and tokens as the eager layer.
+
+    Args:
+        inner: the eager layer.
+        max_cache_len: tokens the layer can see (the slots hold the budget of that many).
+        shared, last: as `PackedStreamLayer` (unused: an evicting layer keeps its positions in its slots).
+    """
+
+    def __init__(self, inner, max_cache_len: int, shared=None, last: bool = False) -> None:
+        from ..kernels.layout import ROOM_FRACTION, ROOM_MIN
+        from .evicting import EvictingLayer
+
+        super().__init__(inner, max_cache_len, 5)
+        if not isinstance(inner, EvictingLayer) or inner.window:
+            raise ValueError("max_cache_len serves StreamingLLMCache and SnapKVCache on full-attention layers")
+        self.keep, self.recent, self.kernel = inner.keep, inner.recent, inner.kernel
+        self.snapkv = inner.policy == "snapkv"
+        budget = max(math.ceil(self.keep * max_cache_len) - self.sinks, self.recent)
+        self.slots = budget + 2 * max(ROOM_MIN, (budget + 1) // ROOM_FRACTION) + 2  # (the eager layer's most)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
+        sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
+        make = lambda *shape, dtype: torch.zeros(self.batch_size, self.num_heads, *shape, dtype=dtype,  # noqa: E731
+                                                 device=self.device)  # fmt: skip
+        self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
+        self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
+        self.keys = make(self.slots, dim, dtype=torch.float16)
+        self.values = make(self.slots, value_dim, dtype=torch.float16)
+        self.index = make(self.slots, dtype=torch.int32)
+        if not torch.compiler.is_compiling():
+            for t in self.tensors():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor (batch first)."""
+        return [self.sink_keys, self.sink_values, self.keys, self.values, self.index]
+
+    def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
+        torch.ops.hf_deltakv.kept_append(key_states, value_states, self.sink_keys, self.sink_values, self.keys,
+                                         self.values, self.index, self.counts)  # fmt: skip
+
+    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        return torch.ops.hf_deltakv.kept_attention_step(
+            query, mask, self.sink_keys, self.sink_values, self.keys, self.values, self.index, self.counts,
+            keep=float(self.keep), recent=self.recent, pool=self.kernel, snapkv=self.snapkv, scale=scale,
+        )  # fmt: skip
+
+    def _stream_to_inner(self, stream: int) -> None:
+        inner = self.inner
+        _, slots, first, live, _ = self.counts.tolist()
+        if slots:  # (the eager layer compacts them at its next append: `_growing_slots` unset)
+            stored = (self.keys, self.values, self.index)
+            inner.keys, inner.values, inner.index = (t[:, :, :slots].clone() for t in stored)
+            inner.first, inner.live = first, live
+
+    def _from_inner(self) -> None:
+        inner = self.inner
+        self._sinks_from_inner()
+        slots, end = 0, 0
+        if inner.keys is not None:
+            index = inner.index if inner.pending is None else inner.index.scatter(2, inner.pending, -1)
+            slots = inner.keys.shape[2]
+            for target, rows in ((self.keys, inner.keys), (self.values, inner.values), (self.index, index)):
+                target[:, :, :slots] = rows
+            grown = inner._growing_slots
+            ours = grown is not None and grown[0].data_ptr() == inner.keys.data_ptr()
+            end = min(grown[0].shape[2] if ours else slots, self.slots)
+        self.counts.copy_(torch.tensor([inner.cumulative_length, slots, inner.first, inner.live, end]))
+        inner.reset()
+
+    def used_nbytes(self) -> int:
+        """Bytes of what the tokens kept fill: the sinks seen and the slots used (what the eager layer holds, less its
+        buffers' room)."""
+        if not self.is_initialized:
+            return 0
+        seen, slots = self.counts.tolist()[:2]
+        used = [_rows(t, min(seen, self.sinks)) for t in (self.sink_keys, self.sink_values)]
+        return sum(used) + sum(_rows(t, slots) for t in (self.keys, self.values, self.index))
 
 
 class SharedPositions:
