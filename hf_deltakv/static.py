@@ -14,7 +14,14 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache import model_layer_types, text_config
-from .layers.static import PackedChannelLayer, PackedDeltaLayer, PackedKeptLayer, PackedStaticLayer, SharedPositions
+from .layers.static import (
+    PackedChannelLayer,
+    PackedDeltaLayer,
+    PackedKeptLayer,
+    PackedStaticLayer,
+    PackedTokenLayer,
+    SharedPositions,
+)
 from .quant import get_format
 
 
@@ -132,8 +139,8 @@ class StaticDeltaKVCache(StaticStreamCache):
         kf, key_bits, values: as `DeltaKVCache` (its defaults when None).
         max_cache_len: tokens the cache can hold (prompt and new tokens).
         model: the model.
-        options: `DeltaKVCache`'s other options (`rotate`, `search_scale`, `sink_tokens`, `query_weights`,
-            `clip_range`, `bits`), `keys="channel"` only.
+        options: `DeltaKVCache`'s other options (`keys`, `rotate`, `search_scale`, `sink_tokens`, `query_weights`,
+            `clip_range`, `bits`, the `keys="token"` options); values in a block format (not `values="delta"`).
 
     >>> # cache = StaticDeltaKVCache(kf=32, max_cache_len=4096, model=model)
     >>> # model.generate(**inputs, cache=cache, compile_config=CompileConfig(fullgraph=True, dynamic=False))
@@ -142,13 +149,12 @@ class StaticDeltaKVCache(StaticStreamCache):
     def __init__(self, kf: int = 32, key_bits=None, values=None, *, max_cache_len: int, model, **options) -> None:
         from .cache import DEFAULT_KEY_BITS, DEFAULT_VALUES, DeltaKVCache
 
-        if options.get("keys", "channel") != "channel":
-            raise ValueError("max_cache_len serves keys='channel' (DeltaKVCache's default)")
         key_bits = DEFAULT_KEY_BITS if key_bits is None else key_bits
         values = DEFAULT_VALUES if values is None else values
         eager = DeltaKVCache(kf, key_bits, values, model=model, **options)
         self.kf = kf
-        super().__init__(eager, PackedDeltaLayer, max_cache_len, model)
+        layer = PackedTokenLayer if eager.options["keys"] == "token" else PackedDeltaLayer
+        super().__init__(eager, layer, max_cache_len, model)
 
 
 class StaticKIVIKVCache(StaticStreamCache):

@@ -17,7 +17,18 @@ import torch
 
 from ..quant import FP16_MAX, QuantizedTensor, get_format
 from .hadamard import rotation_block
-from .layout import ROOM_FRACTION, ROOM_MIN, AdaptiveStream, ChannelStream, KeptStream, PlainStream, RopeAngles
+from .layout import (
+    ROOM_FRACTION,
+    ROOM_MIN,
+    SNAPSHOTS,
+    AdaptiveStream,
+    ChannelStream,
+    DeltaRows,
+    DeltaStream,
+    KeptStream,
+    PlainStream,
+    RopeAngles,
+)
 from .online_softmax import OnlineSoftmax
 
 _LIBRARY = torch.library.Library("hf_deltakv", "DEF")
@@ -105,6 +116,15 @@ def _plain_attention(query, k_codes, k_scales, k_mins, v_codes, v_scales, v_mins
 TOKENS, CODED, OBSERVED, BEFORE = range(4)
 
 
+def _to_sinks(
+    key: torch.Tensor, value: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor, at: int
+) -> None:
+    """A token `[batch, kv_heads, 1, dim]` into row `at` of the raw sinks (fp16 saturates: `StreamLayer._to_sink`)."""
+    for target, x in ((sink_keys, key), (sink_values, value)):
+        x = x.clamp(-FP16_MAX, FP16_MAX) if target.dtype == torch.float16 else x
+        target[:, :, at] = x[:, :, 0].to(target.dtype)
+
+
 def _tail_row(stream_token: int, coded: int, group: int, pad: int) -> int:
     """The row of the raw tail where stream token `stream_token` sits (the tail holds the open group's tokens; the
     stream's first group starts `pad` slots early)."""
@@ -146,9 +166,7 @@ def stream_append(
     sinks = sink_keys.shape[2]
     positions[:, held] = held if position_ids is None else position_ids[:, 0]
     if held < sinks:
-        for target, x in ((sink_keys, key), (sink_values, value)):
-            x = x.clamp(-FP16_MAX, FP16_MAX) if target.dtype == torch.float16 else x
-            target[:, :, held] = x[:, :, 0].to(target.dtype)
+        _to_sinks(key, value, sink_keys, sink_values, held)
     else:
         token = held - sinks
         ids = positions[:, held : held + 1] if freqs is not None else None
@@ -386,9 +404,7 @@ def kept_append(
     seen, slots, first, live, end = counts.tolist()
     sinks = sink_keys.shape[2]
     if seen < sinks:
-        for target, x in ((sink_keys, key), (sink_values, value)):
-            x = x.clamp(-FP16_MAX, FP16_MAX) if target.dtype == torch.float16 else x
-            target[:, :, seen] = x[:, :, 0].to(target.dtype)
+        _to_sinks(key, value, sink_keys, sink_values, seen)
         counts[0] += 1
         return
     if slots + 1 > end:  # the room is spent: the kept tokens compacted, room made (none for the first token)
@@ -461,4 +477,163 @@ def kept_attention_step(
 @_fake
 def _kept_attention_step(query, mask, sink_keys, sink_values, keys, values, index, counts, *, keep, recent, pool,
                          snapkv, scale):  # fmt: skip
+    return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
+
+
+# --- Token-delta keys (`layers.static.PackedTokenLayer`: DeltaKVCache with keys="token") ---------------------------
+# Keyframes, deltas and mean snapshots in storage preallocated for the stream, whose rows follow from the stream's
+# length (`DeltaRows.counts`): `counts` int64 `[1]`, the tokens held. The closed loop's state (`reference`, the last
+# reconstruction, and `running`, the inputs' sum: fp32 `[batch, kv_heads, 1, dim]`) is written in place.
+
+
+def _delta_storage(kf_codes, kf_scales, kf_mins, d_codes, d_scales, d_mins, keyframe_format: str, delta_format: str,
+                   dim: int) -> tuple[QuantizedTensor, QuantizedTensor]:  # fmt: skip
+    return _values(kf_codes, kf_scales, kf_mins, keyframe_format, dim), _values(d_codes, d_scales, d_mins,
+                                                                               delta_format, dim)  # fmt: skip
+
+
+_TOKEN_WRITES = ("sink_keys", "sink_values", "kf_codes", "kf_scales", "kf_mins", "d_codes", "d_scales", "d_mins",
+                 "means", "reference", "running", "v_codes", "v_scales", "v_mins", "positions", "counts")  # fmt: skip
+
+
+@_op(mutates_args=_TOKEN_WRITES)
+def token_append(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    kf_codes: torch.Tensor,
+    kf_scales: torch.Tensor | None,
+    kf_mins: torch.Tensor | None,
+    d_codes: torch.Tensor,
+    d_scales: torch.Tensor | None,
+    d_mins: torch.Tensor | None,
+    means: torch.Tensor,
+    reference: torch.Tensor,
+    running: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    v_mins: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    kf: int,
+    keyframe_format: str,
+    delta_format: str,
+    previous: bool,
+    intra: bool,
+    mean_reference: bool,
+    key_rotation: int,
+    v_format: str,
+    search_scale: bool,
+    rotation: int,
+) -> None:
+    """One new token of a layer whose keys are token deltas (`codecs.delta.DeltaCodec._append_steps`): into the sinks
+    while fewer than `sink_keys.shape[2]` tokens are held (as `stream_append`); else the key (RoPE undone by `freqs`,
+    `order` at its position; rotated by blocks of `key_rotation`) coded as a keyframe every `kf` tokens
+    (`keyframe_format`) or a closed-loop delta (`delta_format`, from the previous reconstruction with `previous`, else
+    the keyframe's; `intra`: a block may be coded against the newest mean snapshot) into its row, a mean snapshot
+    written when due (`mean_reference`), `reference` and `running` updated (`kernels.delta_tokens`); the value coded
+    as `stream_append` codes it."""
+    from . import delta_tokens, quantize_at
+
+    held = counts.tolist()[0]
+    sinks = sink_keys.shape[2]
+    positions[:, held] = held if position_ids is None else position_ids[:, 0]
+    if held < sinks:
+        _to_sinks(key, value, sink_keys, sink_values, held)
+    else:
+        stream = held - sinks
+        keyframes, deltas = _delta_storage(kf_codes, kf_scales, kf_mins, d_codes, d_scales, d_mins, keyframe_format,
+                                           delta_format, key.shape[-1])  # fmt: skip
+        key_at, delta_at, mean_at = DeltaRows.counts(0, stream, kf, SNAPSHOTS, mean_reference)
+        is_delta, due = DeltaRows.counts(stream, 1, kf, SNAPSHOTS, mean_reference)[1:]
+        rows = DeltaRows(keyframes, key_at, deltas if is_delta else None, delta_at, means if due else None, mean_at,
+                         stream, kf, previous, intra, SNAPSHOTS)  # fmt: skip
+        long_term = means[:, :, mean_at - 1] if intra and mean_reference and mean_at else None
+        turn = (positions[:, held : held + 1], freqs, order) if freqs is not None else None
+        state, total = delta_tokens(key, turn, key_rotation, reference, running if mean_reference and stream else None,
+                                    long_term, rows)  # fmt: skip
+        reference.copy_(state)
+        if mean_reference:
+            running.copy_(total)
+        values = _values(v_codes, v_scales, v_mins, v_format, value.shape[-1])
+        quantize_at(value, v_format, search_scale, values, stream, rotation)
+    counts[TOKENS] += 1
+
+
+@_fake
+def _token_append(key, value, position_ids, sink_keys, sink_values, kf_codes, kf_scales, kf_mins, d_codes, d_scales,
+                  d_mins, means, reference, running, v_codes, v_scales, v_mins, positions, freqs, order, counts, *, kf,
+                  keyframe_format, delta_format, previous, intra, mean_reference, key_rotation, v_format,
+                  search_scale, rotation):  # fmt: skip
+    return None
+
+
+@_op()
+def token_attention(
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    kf_codes: torch.Tensor,
+    kf_scales: torch.Tensor | None,
+    kf_mins: torch.Tensor | None,
+    d_codes: torch.Tensor,
+    d_scales: torch.Tensor | None,
+    d_mins: torch.Tensor | None,
+    means: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    v_mins: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    kf: int,
+    keyframe_format: str,
+    delta_format: str,
+    previous: bool,
+    intra: bool,
+    mean_reference: bool,
+    key_rotation: int,
+    v_format: str,
+    rotation: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a decoding step's `query` over a layer whose keys are token deltas (`token_append`'s storage, its
+    arguments): the sinks, then the stream read from the codes (`kernels.DeltaStream`, `kernels.stream_attention`).
+    Returns fp32 `[batch, heads, n, value_dim]`."""
+
+    held, dim = counts.tolist()[0], query.shape[-1]
+    stream = max(held - sink_keys.shape[2], 0)
+    if not stream:
+        return _attend(query, mask, sink_keys, sink_values, None, None, positions, freqs, order, held, scale)
+    keyframes, deltas = _delta_storage(kf_codes, kf_scales, kf_mins, d_codes, d_scales, d_mins, keyframe_format,
+                                       delta_format, dim)  # fmt: skip
+    key_rows, delta_rows, snapshots = DeltaRows.counts(0, stream, kf, SNAPSHOTS, mean_reference)
+    keys = DeltaStream(
+        keyframes=keyframes.map(lambda t: t[:, :, :key_rows]),
+        deltas=deltas.map(lambda t: t[:, :, :delta_rows]) if delta_rows else None,
+        means=means[:, :, :snapshots] if snapshots else None,
+        kf=kf,
+        reference="previous" if previous else "keyframe",
+        intra=intra,
+        dim=dim,
+        length=stream,
+        rotation=key_rotation,
+    )
+    values = _plain_values(v_codes, v_scales, v_mins, v_format, sink_values.shape[-1], stream, rotation)
+    return _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs, order, held, scale)
+
+
+@_fake
+def _token_attention(query, mask, sink_keys, sink_values, kf_codes, kf_scales, kf_mins, d_codes, d_scales, d_mins,
+                     means, v_codes, v_scales, v_mins, positions, freqs, order, counts, *, kf, keyframe_format,
+                     delta_format, previous, intra, mean_reference, key_rotation, v_format, rotation,
+                     scale):  # fmt: skip
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)

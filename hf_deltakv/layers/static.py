@@ -29,6 +29,7 @@ from .. import kernels
 from ..attention.packed import packed_classes, packed_pair
 from ..kernels import ops  # (registers the hf_deltakv ops)
 from ..kernels.hadamard import rotate, rotation_block
+from ..kernels.layout import SNAPSHOTS, DeltaRows
 from ..quant import QuantizedTensor, check_search_scale, dequantize, get_format, quantize, saturate_fp16
 from .base import given_position_ids
 
@@ -327,44 +328,53 @@ class EagerPromptLayer(FixedBatch, StaticLayer):
 
 
 class PackedStreamLayer(EagerPromptLayer):
-    """A layer of a `CompressedKVCache` (keys coded by groups of tokens after a raw fp16 tail, values per token in a
-    block format, raw sinks first) with its storage preallocated to `max_cache_len` tokens, whose decoding step
-    compiles (`EagerPromptLayer`): `kernels.ops.stream_append`, then the keys' attention op. The keys' coding is the
-    subclass's: `PackedDeltaLayer` (DeltaKVCache), `PackedChannelLayer` (KIVI).
+    """A layer of a `CompressedKVCache` (raw sinks, then keys coded by the subclass's codec and values per token in a
+    block format) with its storage preallocated to `max_cache_len` tokens, whose decoding step compiles
+    (`EagerPromptLayer`). The keys' coding is the subclass's: `PackedDeltaLayer` (DeltaKVCache), `PackedChannelLayer`
+    (KIVI), `PackedTokenLayer` (DeltaKVCache with `keys="token"`).
 
     Args:
-        inner: the eager layer (values `PlainCodec`, maybe rotated; keys the subclass's codec).
+        inner: the eager layer (values `PlainCodec`, maybe rotated; keys the subclass's codec, maybe rotated).
         max_cache_len: tokens the layer can hold.
         shared: the cache's `SharedPositions` (one position buffer for every layer).
         last: the model's last layer (its prompt ends the forward: the eager position log is let go).
     """
 
+    counters = 4  # (`kernels.ops`: TOKENS and the subclass's)
+    serves = "a CompressedKVCache's coding"  # (what the subclass serves, for the error below)
+
     def __init__(self, inner, max_cache_len: int, shared: SharedPositions, last: bool) -> None:
-        super().__init__(inner, max_cache_len, 4)
+        super().__init__(inner, max_cache_len, self.counters)
         from ..codecs.plain import PlainCodec
         from ..codecs.rotation import RotatedCodec
 
         self.shared, self.last = shared, last
-        values = inner.value_codec
+        values, keys = inner.value_codec, inner.key_codec
         self.rotated = isinstance(values, RotatedCodec)
         plain = values.inner if self.rotated else values
-        if not isinstance(plain, PlainCodec) or not self._serves(inner.key_codec) or inner.window:
-            raise ValueError(f"max_cache_len serves {self.serves} on full-attention layers")
+        self.keys_rotated = isinstance(keys, RotatedCodec)
+        if not isinstance(plain, PlainCodec) or not self._serves(keys.inner if self.keys_rotated else keys):
+            raise ValueError(f"max_cache_len serves {self.serves}")
+        if inner.window:
+            raise ValueError("max_cache_len serves full-attention layers")
         self.v_format, self.search_scale = plain.fmt, plain.search_scale
-        self.group, self.pad = inner.key_codec.group, getattr(inner.key_codec, "pad", 0)
-
-    serves = "a CompressedKVCache's coding"  # (what the subclass serves, for the error above)
 
     def _serves(self, keys) -> bool:
-        """Whether the subclass serves the eager layer's key codec."""
+        """Whether the subclass serves the eager layer's key codec (its inner codec when rotated)."""
         raise NotImplementedError
 
-    def _make_keys(self, make, groups: int, dim: int) -> None:
-        """Allocate the keys' storage of `groups` groups (`make(*shape, dtype=)`: zeros `[batch, kv_heads, *shape]`)."""
+    def key_codec(self):
+        """The eager layer's key codec (its inner codec when rotated)."""
+        keys = self.inner.key_codec
+        return keys.inner if self.keys_rotated else keys
+
+    def _make_keys(self, make, stream: int, dim: int) -> None:
+        """Allocate the keys' storage for `stream` tokens after the sinks (`make(*shape, dtype=)`: zeros `[batch,
+        kv_heads, *shape]`)."""
         raise NotImplementedError
 
     def key_tensors(self) -> list[torch.Tensor]:
-        """The keys' storage (coded groups and coder state; the raw tail is the layer's)."""
+        """The keys' storage (and coder state)."""
         raise NotImplementedError
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -372,14 +382,13 @@ class PackedStreamLayer(EagerPromptLayer):
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
         lead = (self.batch_size, self.num_heads)
-        groups = -(-(self.pad + self.max_cache_len - min(self.sinks, self.max_cache_len)) // self.group)
+        stream = max(self.max_cache_len - self.sinks, 0)
         sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
         make = lambda *shape, dtype: torch.zeros(*lead, *shape, dtype=dtype, device=self.device)  # noqa: E731
         self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
         self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
-        self._make_keys(make, groups, dim)
-        self.tail = make(self.group, dim, dtype=torch.float16)
-        self.values = _zeros(self.v_format, (*lead, max(self.max_cache_len - self.sinks, 0)), value_dim, self.device)
+        self._make_keys(make, stream, dim)
+        self.values = _zeros(self.v_format, (*lead, stream), value_dim, self.device)
         self.positions = self.shared.buffer(self.batch_size, self.max_cache_len, self.device)
         rope = self.inner.rope
         self.freqs, self.order = rope.on(self.device) if rope is not None else (None, None)
@@ -390,23 +399,14 @@ class PackedStreamLayer(EagerPromptLayer):
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor (batch first; the shared positions, the cache's to reorder once, not included)."""
-        return [self.sink_keys, self.sink_values, *self.key_tensors(), self.tail, *self.values.tensors()]
+        return [self.sink_keys, self.sink_values, *self.key_tensors(), *self.values.tensors()]
 
     def _options(self) -> dict:
         return {"v_format": self.v_format, "rotation": rotation_block(self.v_head_dim) if self.rotated else 0}
 
-    def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
-        ids = given_position_ids(kwargs, None, 1, key_states)  # (None: the op takes the count of tokens held)
-        values = self.values
-        torch.ops.hf_deltakv.stream_append(
-            key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
-            values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
-            search_scale=self.search_scale, **self._options(),
-        )  # fmt: skip
-
     def _stream_to_inner(self, stream: int) -> None:
         inner, held = self.inner, int(self.counts[ops.TOKENS])
-        self._keys_to_inner(inner.key_codec, stream)
+        self._keys_to_inner(self.key_codec(), stream)
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
         plain.stored, plain.length = self.values.map(lambda t: t[:, :, :stream].clone()), stream
         log = inner.positions if inner.rope is not None else None  # (keys after RoPE: no positions kept)
@@ -418,20 +418,15 @@ class PackedStreamLayer(EagerPromptLayer):
         """The eager key codec's state set from the storage (`stream` tokens after the sinks)."""
         raise NotImplementedError
 
-    def _tail_start(self, coded: int) -> int:
-        """The stream token the raw tail's first row holds when `coded` groups are coded."""
-        return coded * self.group - self.pad if coded else 0
-
     def _from_inner(self) -> None:
         """After the eager layer's attention has read a prompt: its state into the storage (the key groups it
         completed are coded by then), the eager layer emptied."""
         inner = self.inner
-        keys = inner.key_codec
+        keys = self.key_codec()
         keys.layout()  # (codes the complete groups, as the next read would)
         held = inner.cumulative_length
         self._sinks_from_inner()
-        coded, observed, summed = self._keys_from_inner(keys)
-        self.tail[:, :, : keys.tail.shape[2]] = keys.tail
+        rest = self._keys_from_inner(keys)
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
         if plain.stored is not None:
             for stored, rows in zip(self.values.tensors(), plain.stored.tensors(), strict=True):
@@ -440,29 +435,27 @@ class PackedStreamLayer(EagerPromptLayer):
             self.positions[:, :held] = inner.positions.ids
         elif held:
             self.positions[:, :held] = torch.arange(held, dtype=torch.int32, device=self.device)
-        self.counts.copy_(torch.tensor([held, coded, observed, summed]))
+        self.counts.copy_(torch.tensor([held, *rest]))
         inner.reset()
         if self.last and inner.positions is not None:
             inner.positions.reset()
 
-    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
-        """The eager key codec's coded groups (and coder state) into the storage: (groups coded, and the subclass's
-        OBSERVED and BEFORE counters)."""
+    def _keys_from_inner(self, keys) -> tuple[int, ...]:
+        """The eager key codec's state into the storage; returns the subclass's counters."""
         raise NotImplementedError
 
     def used_nbytes(self) -> int:
-        """Bytes of what the tokens held fill: the sinks, the coded key groups (and coder state), the open group's raw
-        keys, the values written (what the eager layer holds for them, less its buffers' room)."""
+        """Bytes of what the tokens held fill: the sinks, the keys' codes (and coder state), the values written (what
+        the eager layer holds for them, less its buffers' room)."""
         if not self.is_initialized:
             return 0
-        held, coded = self.counts.tolist()[:2]
+        held = int(self.counts[ops.TOKENS])
         stream = max(held - self.sinks, 0)
         used = [_rows(t, min(held, self.sinks)) for t in (self.sink_keys, self.sink_values)]
-        used += [_rows(self.tail, stream - self._tail_start(coded)), *(_rows(t, stream) for t in self.values.tensors())]
-        return sum(used) + self._used_key_bytes(coded)
+        return sum(used) + sum(_rows(t, stream) for t in self.values.tensors()) + self._used_key_bytes(stream)
 
-    def _used_key_bytes(self, coded: int) -> int:
-        """Bytes of `coded` groups of the keys' storage (and the coder state)."""
+    def _used_key_bytes(self, stream: int) -> int:
+        """Bytes of the keys' storage `stream` tokens fill (and the coder state)."""
         raise NotImplementedError
 
 
@@ -471,12 +464,77 @@ def _rows(t: torch.Tensor, n: int) -> int:
     return t.numel() // max(t.shape[2], 1) * n * t.element_size()
 
 
-class PackedDeltaLayer(PackedStreamLayer):
+class GroupedKeysLayer(PackedStreamLayer):
+    """Keys coded by groups of `group` tokens, the open group's tokens raw (fp16 `tail`): a decoding step is
+    `kernels.ops.stream_append` (the key into the tail, the value coded), then the subclass's attention op (which codes
+    the group the token completes). Subclasses: `PackedDeltaLayer`, `PackedChannelLayer`."""
+
+    def _serves(self, keys) -> bool:
+        self.group, self.pad = keys.group, getattr(keys, "pad", 0)  # (the stream's first group starts `pad` early)
+        return True
+
+    def _make_keys(self, make, stream: int, dim: int) -> None:
+        self._make_groups(make, -(-(self.pad + stream) // self.group), dim)
+        self.tail = make(self.group, dim, dtype=torch.float16)
+
+    def _make_groups(self, make, groups: int, dim: int) -> None:
+        """Allocate the storage of `groups` coded groups."""
+        raise NotImplementedError
+
+    def key_tensors(self) -> list[torch.Tensor]:
+        return [*self.group_tensors(), self.tail]
+
+    def group_tensors(self) -> list[torch.Tensor]:
+        """The coded groups' storage (and coder state)."""
+        raise NotImplementedError
+
+    def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
+        ids = given_position_ids(kwargs, None, 1, key_states)  # (None: the op takes the count of tokens held)
+        values = self.values
+        torch.ops.hf_deltakv.stream_append(
+            key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
+            values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
+            search_scale=self.search_scale, **self._options(),
+        )  # fmt: skip
+
+    def _tail_start(self, coded: int) -> int:
+        """The stream token the raw tail's first row holds when `coded` groups are coded."""
+        return coded * self.group - self.pad if coded else 0
+
+    def _keys_to_inner(self, keys, stream: int) -> None:
+        coded = int(self.counts[ops.CODED])
+        keys.tail = self.tail[:, :, : stream - self._tail_start(coded)].clone()
+        keys.length = stream
+        self._groups_to_inner(keys, coded)
+
+    def _groups_to_inner(self, keys, coded: int) -> None:
+        """The eager codec's coded groups (and coder state) set from the storage."""
+        raise NotImplementedError
+
+    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
+        self.tail[:, :, : keys.tail.shape[2]] = keys.tail
+        return self._groups_from_inner(keys)
+
+    def _groups_from_inner(self, keys) -> tuple[int, int, int]:
+        """The eager codec's coded groups (and coder state) into the storage: (groups coded, and the subclass's
+        OBSERVED and BEFORE counters)."""
+        raise NotImplementedError
+
+    def _used_key_bytes(self, stream: int) -> int:
+        coded = int(self.counts[ops.CODED])
+        return _rows(self.tail, stream - self._tail_start(coded)) + self._used_group_bytes(coded)
+
+    def _used_group_bytes(self, coded: int) -> int:
+        """Bytes of `coded` groups (and the coder state)."""
+        raise NotImplementedError
+
+
+class PackedDeltaLayer(GroupedKeysLayer):
     """A `DeltaKVCache` layer (adaptive per-channel key groups, per-token values) whose decoding step compiles
-    (`PackedStreamLayer`; its attention op `hf_deltakv::adaptive_attention`: the queries observed, the group the token
+    (`GroupedKeysLayer`; its attention op `hf_deltakv::adaptive_attention`: the queries observed, the group the token
     completes coded at query-weighted depths). Args: as `PackedStreamLayer`."""
 
-    serves = "DeltaKVCache's default coding (keys='channel', values in a block format)"
+    serves = "DeltaKVCache's codings (values in a block format)"
 
     def _serves(self, keys) -> bool:
         from ..codecs.adaptive import AdaptiveChannelCodec
@@ -485,16 +543,16 @@ class PackedDeltaLayer(PackedStreamLayer):
             return False
         self.first_group = keys.first_group
         self.clip_range, self.query_weights = keys.clip_range, keys.query_weights
-        return True
+        return super()._serves(keys)
 
-    def _make_keys(self, make, groups: int, dim: int) -> None:
-        self.total_bits = total = self.inner.key_codec._budget(dim)
+    def _make_groups(self, make, groups: int, dim: int) -> None:
+        self.total_bits = total = self.key_codec()._budget(dim)
         self.planes = make(groups, total, self.group // 8, dtype=torch.uint8)
         self.depths = make(groups, dim // 2, dtype=torch.uint8)
         self.low, self.step = (make(groups, dim, dtype=torch.float16) for _ in range(2))
         self.energy, self.before = (make(dim, dtype=torch.float32) for _ in range(2))
 
-    def key_tensors(self) -> list[torch.Tensor]:
+    def group_tensors(self) -> list[torch.Tensor]:
         return [self.planes, self.depths, self.low, self.step, self.energy, self.before]
 
     def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -506,18 +564,17 @@ class PackedDeltaLayer(PackedStreamLayer):
             clip_range=self.clip_range, query_weights=self.query_weights, scale=scale, **self._options(),
         )  # fmt: skip
 
-    def _keys_to_inner(self, keys, stream: int) -> None:
-        _, coded, observed, summed = self.counts.tolist()
+    def _groups_to_inner(self, keys, coded: int) -> None:
+        _, _, observed, summed = self.counts.tolist()
         for name, stored in zip(("planes", "depths", "low", "step"), (self.planes, self.depths, self.low, self.step),
                                 strict=True):  # fmt: skip
             setattr(keys, name, stored[:, :, :coded].clone() if coded else None)
-        keys.tail = self.tail[:, :, : stream - self._tail_start(coded)].clone()
-        keys.length, keys.coded = stream, coded
+        keys.coded = coded
         keys.energy, keys.observed = (self.energy.clone() if observed else None), observed
         open_group = self.first_group + coded
         keys.before_group = {open_group: (self.before.clone(), summed)} if summed else {}
 
-    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
+    def _groups_from_inner(self, keys) -> tuple[int, int, int]:
         coded = keys.coded
         if coded:
             for stored, rows in zip((self.planes, self.depths, self.low, self.step),
@@ -532,13 +589,13 @@ class PackedDeltaLayer(PackedStreamLayer):
             self.before.copy_(before)
         return coded, keys.observed, summed
 
-    def _used_key_bytes(self, coded: int) -> int:
+    def _used_group_bytes(self, coded: int) -> int:
         return sum(_rows(t, coded) for t in (self.planes, self.depths, self.low, self.step)) + self.energy.nbytes * 2
 
 
-class PackedChannelLayer(PackedStreamLayer):
+class PackedChannelLayer(GroupedKeysLayer):
     """A `KIVIKVCache` layer (keys quantized per channel over groups of tokens, values per token) whose decoding step
-    compiles (`PackedStreamLayer`; its attention op `hf_deltakv::channel_attention`: the group the token completes
+    compiles (`GroupedKeysLayer`; its attention op `hf_deltakv::channel_attention`: the group the token completes
     quantized channel by channel). Args: as `PackedStreamLayer`."""
 
     serves = "KIVIKVCache's coding (keys per channel over groups of tokens, values in a block format)"
@@ -546,14 +603,14 @@ class PackedChannelLayer(PackedStreamLayer):
     def _serves(self, keys) -> bool:
         from ..codecs.channel import ChannelGroupCodec
 
-        return isinstance(keys, ChannelGroupCodec)
+        return isinstance(keys, ChannelGroupCodec) and super()._serves(keys)
 
-    def _make_keys(self, make, groups: int, dim: int) -> None:
-        fmt = self.inner.key_codec.fmt
+    def _make_groups(self, make, groups: int, dim: int) -> None:
+        fmt = self.key_codec().fmt
         self.k_format = fmt.name
         self.groups = _zeros(fmt.name, (self.batch_size, self.num_heads, groups, dim), self.group, self.device)
 
-    def key_tensors(self) -> list[torch.Tensor]:
+    def group_tensors(self) -> list[torch.Tensor]:
         return self.groups.tensors()
 
     def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -564,21 +621,107 @@ class PackedChannelLayer(PackedStreamLayer):
             scale=scale, **self._options(),
         )  # fmt: skip
 
-    def _keys_to_inner(self, keys, stream: int) -> None:
-        coded = int(self.counts[ops.CODED])
+    def _groups_to_inner(self, keys, coded: int) -> None:
         keys.groups = self.groups.map(lambda t: t[:, :, :coded].clone()) if coded else None
-        keys.tail = self.tail[:, :, : stream - self._tail_start(coded)].clone()
-        keys.length = stream
 
-    def _keys_from_inner(self, keys) -> tuple[int, int, int]:
+    def _groups_from_inner(self, keys) -> tuple[int, int, int]:
         coded = keys._coded() // self.group
         if coded:
             for stored, rows in zip(self.groups.tensors(), keys.groups.tensors(), strict=True):
                 stored[:, :, :coded] = rows
         return coded, 0, 0
 
-    def _used_key_bytes(self, coded: int) -> int:
+    def _used_group_bytes(self, coded: int) -> int:
         return sum(_rows(t, coded) for t in self.groups.tensors())
+
+
+class PackedTokenLayer(PackedStreamLayer):
+    """A `DeltaKVCache` layer with `keys="token"` (a keyframe every `kf` tokens and closed-loop deltas, maybe rotated;
+    per-token values) whose decoding step compiles (`PackedStreamLayer`: `kernels.ops.token_append`, then
+    `kernels.ops.token_attention`). Args: as `PackedStreamLayer`."""
+
+    counters = 1  # (the rows of keyframes, deltas and snapshots follow from the tokens held)
+    serves = "DeltaKVCache's codings (values in a block format)"
+
+    def _serves(self, keys) -> bool:
+        from ..codecs.delta import DeltaCodec
+
+        if not isinstance(keys, DeltaCodec):
+            return False
+        self.kf, self.reference, self.intra = keys.kf, keys.reference, keys.intra
+        self.mean_reference = keys.mean_reference
+        self.formats = (keys.keyframe_format, keys.delta_format)
+        return True
+
+    def _rows(self, stream: int) -> tuple[int, int, int]:
+        """(keyframes, deltas, mean snapshots) of `stream` tokens."""
+        return DeltaRows.counts(0, stream, self.kf, SNAPSHOTS, self.mean_reference)
+
+    def _make_keys(self, make, stream: int, dim: int) -> None:
+        keyframes, deltas, snapshots = self._rows(stream)
+        lead = (self.batch_size, self.num_heads)
+        self.keyframes = _zeros(self.formats[0], (*lead, keyframes), dim, self.device)
+        self.deltas = _zeros(self.formats[1], (*lead, deltas), dim, self.device)
+        self.means = make(snapshots, dim, dtype=torch.float16)
+        self.state = make(1, dim, dtype=torch.float32)  # the closed loop's reference (the last reconstruction)
+        self.running = make(1, dim, dtype=torch.float32)  # the sum of the inputs (for the mean snapshots)
+
+    def key_tensors(self) -> list[torch.Tensor]:
+        return [*self.keyframes.tensors(), *self.deltas.tensors(), self.means, self.state, self.running]
+
+    def _key_args(self) -> tuple:
+        keyframes, deltas = self.keyframes, self.deltas
+        return (keyframes.codes, keyframes.scales, keyframes.mins, deltas.codes, deltas.scales, deltas.mins, self.means)
+
+    def _key_options(self) -> dict:
+        return {"kf": self.kf, "keyframe_format": self.formats[0], "delta_format": self.formats[1],
+                "previous": self.reference == "previous", "intra": self.intra, "mean_reference": self.mean_reference,
+                "key_rotation": rotation_block(self.k_head_dim) if self.keys_rotated else 0}  # fmt: skip
+
+    def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
+        ids = given_position_ids(kwargs, None, 1, key_states)
+        values = self.values
+        torch.ops.hf_deltakv.token_append(
+            key_states, value_states, ids, self.sink_keys, self.sink_values, *self._key_args(), self.state,
+            self.running, values.codes, values.scales, values.mins, self.positions, self.freqs, self.order,
+            self.counts, search_scale=self.search_scale, **self._key_options(), **self._options(),
+        )  # fmt: skip
+
+    def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        values = self.values
+        return torch.ops.hf_deltakv.token_attention(
+            query, mask, self.sink_keys, self.sink_values, *self._key_args(), values.codes, values.scales,
+            values.mins, self.positions, self.freqs, self.order, self.counts, scale=scale, **self._key_options(),
+            **self._options(),
+        )  # fmt: skip
+
+    def _keys_to_inner(self, keys, stream: int) -> None:
+        keyframes, deltas, snapshots = self._rows(stream)
+        keys.keyframes = self.keyframes.map(lambda t: t[:, :, :keyframes].clone()) if keyframes else None
+        keys.deltas = self.deltas.map(lambda t: t[:, :, :deltas].clone()) if deltas else None
+        keys.means = self.means[:, :, :snapshots].clone() if snapshots else None
+        keys.reference_state = self.state.clone() if stream else None
+        keys.running_sum = self.running.clone() if stream and self.mean_reference else None
+        keys.length = stream
+
+    def _keys_from_inner(self, keys) -> tuple[int, ...]:
+        for stored, rows in ((self.keyframes, keys.keyframes), (self.deltas, keys.deltas)):
+            if rows is not None:
+                for target, source in zip(stored.tensors(), rows.tensors(), strict=True):
+                    target[:, :, : source.shape[2]] = source
+        if keys.means is not None:
+            self.means[:, :, : keys.means.shape[2]] = keys.means
+        for target, state in ((self.state, keys.reference_state), (self.running, keys.running_sum)):
+            if state is not None:
+                target.copy_(state)
+        return ()
+
+    def _used_key_bytes(self, stream: int) -> int:
+        keyframes, deltas, snapshots = self._rows(stream)
+        used = sum(_rows(t, keyframes) for t in self.keyframes.tensors()) + _rows(self.means, snapshots)
+        used += sum(_rows(t, deltas) for t in self.deltas.tensors())
+        state = self.state.nbytes * (1 + self.mean_reference)  # (the loop's reference, and the running sum)
+        return used + (state if stream else 0)
 
 
 class PackedKeptLayer(EagerPromptLayer):
