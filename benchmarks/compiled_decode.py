@@ -5,7 +5,11 @@ Caches: `dynamic` (DynamicCache, eager), `static` (StaticCache, eager), `static-
 `CompileConfig(fullgraph=True, dynamic=False)`, `_compile_all_devices` as transformers' CI runs it on the CPU,
 mode None: CUDA graphs do not exist here), `q4_0-rot-static` / `-compiled` (`StaticQuantizedKVCache("q4_0",
 "q4_0", rotate=True)`, the llama.cpp format with rotation), `delta` (`DeltaKVCache(kf=32, model=model)`, eager),
-`delta-static` / `-compiled` (`StaticDeltaKVCache(kf=32, max_cache_len=...)`: the same coding preallocated). Each
+`delta-static` / `-compiled` (`StaticDeltaKVCache(kf=32, max_cache_len=...)`: the same coding preallocated); the other
+caches (`OTHERS`, `--caches`): `kivi` (`KIVIKVCache()`), `delta-token` (`DeltaKVCache(kf=32, keys="token")`),
+`streaming-llm` and `snapkv` (keep 0.3), each eager, `-static` (`StaticKIVIKVCache`, `StaticDeltaKVCache(...,
+keys="token")`, `StaticStreamingLLMCache`, `StaticSnapKVCache`) and `-static-compiled` (`--others` times KIVI and
+`keys="token"`; the eviction caches are in its memory table only: see `main`). Each
 configuration runs in its own process: one warm-up generation (compiling, where asked), then per round a prefill
 alone (`max_new_tokens=1`) and a full generation of `--new` tokens on fresh caches; decode tokens/s = (new - 1) /
 (full - prefill). Configurations alternate across rounds; figures are medians over rounds, and each row's ratio is
@@ -14,6 +18,7 @@ same invocation.
 
     python benchmarks/compiled_decode.py                              # 1K, 4K; fp32 and bf16; 2 rounds
     python benchmarks/compiled_decode.py --ctx 4096 --dtypes bfloat16 --caches static,q4_0-rot-static-compiled
+    python benchmarks/compiled_decode.py --others   # KIVI, keys="token" at 4K -> compiled_decode_others.json
 
 Memory (`--memory`, default 8192,32768): what each preallocated cache holds at that `max_cache_len` for SmolLM2 in
 fp16 after a 64-token prompt (`nbytes()`: the capacity, allocated up front; transformers' `StaticCache` counted the
@@ -44,14 +49,38 @@ CACHES = (
     "delta-static-compiled",
 )
 UNCOMPRESSED = ("dynamic", "static", "static-compiled")
+OTHERS = tuple(f"{name}{suffix}" for name in ("kivi", "delta-token", "streaming-llm", "snapkv")
+               for suffix in ("", "-static", "-static-compiled"))  # fmt: skip
 
 
 def make_cache(name: str, model, capacity: int):
     from transformers.cache_utils import DynamicCache, StaticCache
 
-    from hf_deltakv import DeltaKVCache, StaticDeltaKVCache, StaticQuantizedKVCache
+    from hf_deltakv import (
+        DeltaKVCache,
+        KIVIKVCache,
+        SnapKVCache,
+        StaticDeltaKVCache,
+        StaticKIVIKVCache,
+        StaticQuantizedKVCache,
+        StaticSnapKVCache,
+        StaticStreamingLLMCache,
+        StreamingLLMCache,
+    )
 
     base = name.removesuffix("-compiled")
+    others = {
+        "kivi": (KIVIKVCache, StaticKIVIKVCache, {}),
+        "delta-token": (DeltaKVCache, StaticDeltaKVCache, {"kf": 32, "keys": "token"}),
+        "streaming-llm": (StreamingLLMCache, StaticStreamingLLMCache, {"keep": 0.3}),
+        "snapkv": (SnapKVCache, StaticSnapKVCache, {"keep": 0.3}),
+    }
+    family = others.get(base.removesuffix("-static"))
+    if family is not None:
+        eager, static, options = family
+        if base.endswith("-static"):
+            return static(**options, max_cache_len=capacity, model=model)
+        return eager(**options, model=model)
     if base == "dynamic":
         return DynamicCache(config=model.config)
     if base == "static":
@@ -108,12 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per process (after one warm-up)")
     parser.add_argument("--out", default=str(RESULTS / "compiled_decode.json"))
     parser.add_argument("--memory", default="8192,32768", help="max_cache_len values for the memory table")
+    parser.add_argument("--others", action="store_true", help="the other caches (OTHERS) at 4K, their own JSON")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    memory_of = args.caches.split(",")
+    if args.others:  # (the eviction caches in the memory table only: their eager prefill of a 4K prompt takes ~40 s
+        # here, the reference attention over it, which makes the prefill-subtracted decode time mostly noise)
+        memory_of = OTHERS
+        args.ctx, args.caches = "4096", ",".join((*UNCOMPRESSED, *(c for c in OTHERS if "kivi" in c or "token" in c)))
+        args.out = str(RESULTS / "compiled_decode_others.json")
     if args.one:
         print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.dtypes, args.rounds)))
         return 0
-    memory = measure_memory([int(n) for n in args.memory.split(",") if n])
+    statics = [name for name in memory_of if name.endswith("-static") and name != "static"]
+    memory = measure_memory([int(n) for n in args.memory.split(",") if n], statics)
     print(memory_markdown(memory))
     rows = []
     for ctx in map(int, args.ctx.split(",")):
@@ -141,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @torch.no_grad()
-def measure_memory(capacities: list[int]) -> list[dict]:
+def measure_memory(capacities: list[int], statics: list[str]) -> list[dict]:
     """Bytes each preallocated cache holds at each capacity (fp16 SmolLM2, after a 64-token prompt)."""
     from hf_deltakv.eval.texts import load_text
     from hf_deltakv.models import load_model
@@ -151,7 +188,7 @@ def measure_memory(capacities: list[int]) -> list[dict]:
     rows = []
     for capacity in capacities:
         held = {}
-        for name in ("static", "q4_0-rot-static", "delta-static"):
+        for name in ("static", *statics):
             cache = make_cache(name, model, capacity)
             model(ids, cache=cache, use_cache=True)
             if name == "static":

@@ -110,6 +110,7 @@ CURRENT = (
     "long_context.json",
     "value_sensitivity.json",
     "compiled_decode.json",
+    "compiled_decode_others.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -304,6 +305,26 @@ def triton_table() -> None:
                   f"{sum(r['seconds'] for r in mine):.0f} |")  # fmt: skip
 
 
+def compiled_tables(name: str, what: str, compiled: dict) -> None:
+    """A `compiled_decode.py` run: decode tokens/s against the fastest uncompressed cache, and the bytes held."""
+    from compiled_decode import markdown as compiled_table
+    from compiled_decode import memory_markdown
+
+    cfg = compiled["config"]
+    print(
+        f"\n## Compiled decoding on the CPU{what} (`compiled_decode.py`, `{name}`)\n\n"
+        f"SmolLM2 through `generate`, {cfg['new']} tokens after the prompt, median of {cfg['rounds']} timed rounds "
+        "per configuration (each in its own process after a warm-up generation that compiles); compiled: "
+        "`CompileConfig(fullgraph=True, dynamic=False, mode=None)` with inductor's C++ code (no CUDA graphs on a "
+        "CPU). Ratios against the fastest uncompressed cache (DynamicCache, StaticCache eager or compiled) at the "
+        "same context and dtype.\n"
+    )
+    print(machine_line(cfg) + compiled_table(compiled["rows"]))
+    if compiled.get("memory"):
+        print("\nMemory at the same `max_cache_len` (fp16, `nbytes()`: the whole capacity, allocated up front):\n")
+        print(memory_markdown(compiled["memory"]))
+
+
 def gpu_path_tables() -> None:
     """The GPU path's launches and syncs per layer-step, bytes read and prefill memory (`gpu_path.json`)."""
     result = _load("gpu_path.json")
@@ -478,25 +499,10 @@ def results() -> None:
         if _load(name):
             print(f"\n## {heading} (`{name}`)\n\n{how}\n")
             print(long_context_tables(name=name))
-    compiled = _load("compiled_decode.json")
-    if compiled:
-        from compiled_decode import markdown as compiled_table
-
-        cfg = compiled["config"]
-        print(
-            "\n## Compiled decoding on the CPU (`compiled_decode.py`, `compiled_decode.json`)\n\n"
-            f"SmolLM2 through `generate`, {cfg['new']} tokens after the prompt, median of {cfg['rounds']} timed rounds "
-            "per configuration (each in its own process after a warm-up generation that compiles); compiled: "
-            "`CompileConfig(fullgraph=True, dynamic=False, mode=None)` with inductor's C++ code (no CUDA graphs on a "
-            "CPU). Ratios against the fastest uncompressed cache (DynamicCache, StaticCache eager or compiled) at the "
-            "same context and dtype.\n"
-        )
-        print(machine_line(cfg) + compiled_table(compiled["rows"]))
-        if compiled.get("memory"):
-            from compiled_decode import memory_markdown
-
-            print("\nMemory at the same `max_cache_len` (fp16, `nbytes()`: the whole capacity, allocated up front):\n")
-            print(memory_markdown(compiled["memory"]))
+    for name, what in (("compiled_decode.json", ""), ("compiled_decode_others.json", ": the other caches")):
+        compiled = _load(name)
+        if compiled:
+            compiled_tables(name, what, compiled)
     gpu_path_tables()
     triton_table()
     gpu_prediction_table()

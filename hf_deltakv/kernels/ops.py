@@ -370,7 +370,6 @@ def _channel_attention(query, mask, sink_keys, sink_values, k_codes, k_scales, k
 # the tokens kept, and the slots the eager layer's buffers would hold (the room it grows by: the same compactions,
 # hence the same slots and bytes, capped at the capacity). SnapKV's evicted slots are marked at once (-1), where the
 # eager layer marks them at its next update: nothing reads them in between.
-SLOTS, FIRST, LIVE, END = range(1, 5)
 
 
 def _compact_in_place(keys, values, index, slots: int, first: int, live: int, room: int) -> int:

@@ -13,8 +13,10 @@ under transformers' mask (it spans `max_cache_len`, as for `StaticCache`; unwrit
 prompt or chunk of several tokens, or a model whose attention is not SDPA, gets the decoded capacity in the model's
 dtype instead (unwritten slots decode to zeros).
 
-`PackedStreamLayer` (below) does the same for the layers of `CompressedKVCache`s whose keys are coded by groups of
-tokens (`PackedDeltaLayer`: DeltaKVCache's adaptive keys; `PackedChannelLayer`: KIVI's per-channel keys).
+`EagerPromptLayer` (below) does the same for the layers of our other caches: a decoding step is two ops over
+preallocated storage, a prompt runs the eager layer. Its subclasses: `PackedDeltaLayer` (DeltaKVCache's adaptive
+keys), `PackedChannelLayer` (KIVI's per-channel keys), `PackedTokenLayer` (DeltaKVCache's `keys="token"`), all three
+`PackedStreamLayer`s, and `PackedKeptLayer` (StreamingLLM's and SnapKV's slots).
 """
 
 from __future__ import annotations
