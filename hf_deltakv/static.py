@@ -84,9 +84,10 @@ class StaticQuantizedKVCache(Cache):
 
 
 class StaticStreamCache(Cache):
-    """What the compileable `CompressedKVCache`s share: an eager cache (`eager`) whose layers serve prompts, each
-    wrapped in a `layers.static.PackedStreamLayer` (`layer`) holding `max_cache_len` tokens, one position buffer for
-    all layers. Needs the model (`model=`), SDPA attention (transformers' default) and full-attention layers."""
+    """What the compileable forms of our eager caches share: an eager cache (`eager`) whose layers serve prompts, each
+    wrapped in a `layers.static.EagerPromptLayer` subclass (`layer`) holding `max_cache_len` tokens, one position
+    buffer for all layers. Needs the model (`model=`), SDPA attention (transformers' default) and full-attention
+    layers."""
 
     def __init__(self, eager, layer, max_cache_len: int, model) -> None:
         _check_capacity(max_cache_len, model)
