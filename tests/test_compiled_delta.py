@@ -182,8 +182,6 @@ def test_bad_use_is_refused_and_leaves_the_cache_as_it_was():
         StaticDeltaKVCache(max_cache_len=-1, model=model)
     with pytest.raises(ValueError, match="sliding_attention"):
         StaticDeltaKVCache(max_cache_len=16, model=tiny_model("gemma3"))
-    with pytest.raises(ValueError, match="keys='channel'"):
-        StaticDeltaKVCache(max_cache_len=16, model=model, keys="token")
     eager = tiny_model()
     eager.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="sdpa"):
