@@ -209,3 +209,27 @@ def test_updates_and_crops_store_what_the_growing_cache_stores(chunks, cut, more
     for stored, codec in zip(static.layers[0].stored, (reference.key_codec, reference.value_codec), strict=True):
         for a, b in zip(stored.tensors(), codec.layout().blocks.tensors(), strict=True):
             assert torch.equal(a[:, :, :held], b[:, :, :held])
+
+
+BEAM_PAIRS = {
+    "delta": ("DeltaKVCache", "StaticDeltaKVCache", {"kf": 8, "model": True}),
+    "token": ("DeltaKVCache", "StaticDeltaKVCache", {"kf": 8, "keys": "token", "model": True}),
+    "kivi": ("KIVIKVCache", "StaticKIVIKVCache", {"model": True}),
+    "snapkv": ("SnapKVCache", "StaticSnapKVCache", {"keep": 0.5, "window": 4, "kernel": 3, "model": True}),
+    "q4_0": ("QuantizedKVCache", "StaticQuantizedKVCache", {"k_format": "q4_0", "v_format": "q4_0"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BEAM_PAIRS))
+def test_beam_search_decodes_as_the_eager_cache(name):
+    """Beam search over a preallocated cache: `generate` expands the inputs before the prompt (the batch is fixed from
+    the first forward on) and reorders the beams in place (`reorder_cache`), the tokens of the eager cache."""
+    import hf_deltakv
+
+    model = tiny_model()
+    eager_name, static_name, options = BEAM_PAIRS[name]
+    options = {k: (model if k == "model" else v) for k, v in options.items()}
+    eager = getattr(hf_deltakv, eager_name)(**options)
+    static = getattr(hf_deltakv, static_name)(**{**options, "model": model}, max_cache_len=64)
+    ids = [model.generate(prompt(), max_new_tokens=40, num_beams=3, do_sample=False, cache=c) for c in (eager, static)]
+    assert torch.equal(*ids)
