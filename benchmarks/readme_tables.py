@@ -110,6 +110,7 @@ CURRENT = (
     "long_context.json",
     "value_sensitivity.json",
     "compiled_decode.json",
+    "compiled_decode_8k.json",
     "compiled_decode_others.json",
     *RERUNS,
 )
@@ -314,7 +315,13 @@ def compiled_tables(name: str, what: str, compiled: dict) -> None:
     print(
         f"\n## Compiled decoding on the CPU{what} (`compiled_decode.py`, `{name}`)\n\n"
         f"SmolLM2 through `generate`, {cfg['new']} tokens after the prompt, median of {cfg['rounds']} timed rounds "
-        "per configuration (each in its own process after a warm-up generation that compiles); compiled: "
+        "per configuration (each in its own process after a warm-up generation that compiles); decode time: "
+        + (
+            "between the first and the last new token's logits in one generation; "
+            if cfg.get("timing") == "stamps"
+            else "a full generation less a prefill-only one; "
+        )
+        + "compiled: "
         "`CompileConfig(fullgraph=True, dynamic=False, mode=None)` with inductor's C++ code (no CUDA graphs on a "
         "CPU). Ratios against the fastest uncompressed cache (DynamicCache, StaticCache eager or compiled) at the "
         "same context and dtype.\n"
@@ -499,7 +506,9 @@ def results() -> None:
         if _load(name):
             print(f"\n## {heading} (`{name}`)\n\n{how}\n")
             print(long_context_tables(name=name))
-    for name, what in (("compiled_decode.json", ""), ("compiled_decode_others.json", ": the other caches")):
+    runs = (("compiled_decode.json", ""), ("compiled_decode_8k.json", ", 8K prompts"),
+            ("compiled_decode_others.json", ": the other caches"))  # fmt: skip
+    for name, what in runs:
         compiled = _load(name)
         if compiled:
             compiled_tables(name, what, compiled)
