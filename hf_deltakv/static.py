@@ -1,10 +1,10 @@
 """Caches for compiled decoding (`torch.compile`, CUDA graphs): storage preallocated to `max_cache_len` tokens.
 
 `StaticQuantizedKVCache(..., max_cache_len=N, model=model)` is transformers' `StaticCache` with llama.cpp-style
-packed storage (`layers.static.PackedStaticLayer`); `StaticDeltaKVCache` and `StaticKIVIKVCache` are `DeltaKVCache`
-and `KIVIKVCache` with their storage preallocated (`layers.static.PackedStreamLayer`). `generate` compiles their
-decoding step by itself (`cache.is_compileable`) on GPUs, and on the CPU when the compile config asks
-(`_compile_all_devices`).
+packed storage (`layers.static.PackedStaticLayer`); `StaticDeltaKVCache`, `StaticKIVIKVCache`,
+`StaticStreamingLLMCache` and `StaticSnapKVCache` are `DeltaKVCache`, `KIVIKVCache`, `StreamingLLMCache` and
+`SnapKVCache` with their storage preallocated (`layers.static.EagerPromptLayer`). `generate` compiles their decoding
+step by itself (`cache.is_compileable`) on GPUs, and on the CPU when the compile config asks (`_compile_all_devices`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class StaticStreamCache(Cache):
 
 class StaticDeltaKVCache(StaticStreamCache):
     """`DeltaKVCache` whose decoding step compiles: each layer's storage holds `max_cache_len` tokens from the first
-    forward on and is written in place (`layers.static.PackedDeltaLayer`).
+    forward on and is written in place (`layers.static.PackedDeltaLayer`; `PackedTokenLayer` with `keys="token"`).
 
     The coding of `DeltaKVCache(kf, key_bits, values, ...)` (adaptive per-channel key groups before RoPE, rotated
     per-token values, raw sinks), the same bytes and tokens: a prompt runs `DeltaKVCache`'s own layers, a decoding
