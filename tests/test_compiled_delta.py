@@ -64,6 +64,28 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     assert len(compiles) == 1
 
 
+def steps_by_hand(grown, layer, q, k, v, prompt: int):
+    """Feed the eager layer `grown` and the preallocated `layer` (its step compiled) the same prompt (the first
+    `prompt` of `q`, `k`, `v` `[batch, heads, tokens, dim]`) and then one decoding step per token left, as attention
+    reads them (update, then SDPA on what it returns); asserts their outputs equal bit for bit, yields each step's
+    position after it."""
+    capacity = layer.max_cache_len
+
+    def attend(target, query, key, value, ids, mask):
+        keys, values = target.update(key, value, position_ids=ids)
+        return F.scaled_dot_product_attention(query, keys, values, mask[..., : keys.shape[2]], enable_gqa=True)
+
+    def inputs(t, n, slots):
+        mask = torch.ones(q.shape[0], 1, n, slots, dtype=torch.bool).tril(t)
+        return q[:, :, t : t + n], k[:, :, t : t + n], v[:, :, t : t + n], torch.arange(t, t + n)[None], mask
+
+    step = torch.compile(lambda *args: attend(layer, *args), fullgraph=True, dynamic=False)
+    assert torch.equal(attend(grown, *inputs(0, prompt, prompt)), attend(layer, *inputs(0, prompt, capacity)))
+    for t in range(prompt, q.shape[2]):
+        assert torch.equal(step(*inputs(t, 1, capacity)), attend(grown, *inputs(t, 1, t + 1)))
+        yield t
+
+
 def state_of(layer) -> dict:
     """What a `DeltaKVCache` layer holds by name: the sinks, the key codec's groups, tail and query sums, the values."""
     keys, values = layer.key_codec, layer.value_codec.inner
@@ -94,18 +116,8 @@ def test_compiled_step_stores_the_bytes_and_attends_as_delta_kv_cache():
     grown = DeltaKVCache(kf=16, model=model)._new_layer(0)  # (one layer fed by hand)
     layer = StaticDeltaKVCache(kf=16, max_cache_len=64, model=model).layers[0]
 
-    def attend(target, query, key, value, ids, mask):
-        keys, values = target.update(key, value, position_ids=ids)
-        return F.scaled_dot_product_attention(query, keys, values, mask[..., : keys.shape[2]], enable_gqa=True)
-
-    def inputs(t, n, slots):
-        mask = torch.ones(2, 1, n, slots, dtype=torch.bool).tril(t)
-        return q[:, :, t : t + n], k[:, :, t : t + n], v[:, :, t : t + n], torch.arange(t, t + n)[None], mask
-
-    step = torch.compile(lambda *args: attend(layer, *args), fullgraph=True, dynamic=False)
-    assert torch.equal(attend(grown, *inputs(0, 9, 9)), attend(layer, *inputs(0, 9, 64)))  # DeltaKVCache's layer
-    for t in range(9, 9 + steps):
-        assert torch.equal(step(*inputs(t, 1, 64)), attend(grown, *inputs(t, 1, t + 1)))
+    for _ in steps_by_hand(grown, layer, q, k, v, 9):
+        pass
     for name, want in state_of(grown).items():
         assert torch.equal(held_by(layer)[name], want), name
     assert layer.counts.tolist()[1] == 3

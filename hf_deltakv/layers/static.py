@@ -211,6 +211,27 @@ class EagerPromptLayer(FixedBatch, StaticLayer):
         self.cumulative_length = self.counts[ops.TOKENS]  # (a view: StaticLayer's length tensor)
         self.pair = None  # the eager layer's keys and values during a prompt (`update` to `attend_packed`)
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The storage, zeroed, at static addresses: the raw sinks (fp16 for an fp32 model, else its dtype, as the
+        eager layer keeps them) and the subclass's (`_make_storage`)."""
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
+        lead = (self.batch_size, self.num_heads)
+        sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
+        make = lambda *shape, dtype: torch.zeros(*lead, *shape, dtype=dtype, device=self.device)  # noqa: E731
+        self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
+        self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
+        self._make_storage(make, dim, value_dim)
+        if not torch.compiler.is_compiling():
+            for t in self.tensors():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def _make_storage(self, make, dim: int, value_dim: int) -> None:
+        """Allocate the subclass's storage (`make(*shape, dtype=)`: zeros `[batch, kv_heads, *shape]`)."""
+        raise NotImplementedError
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,25 +400,13 @@ class PackedStreamLayer(EagerPromptLayer):
         """The keys' storage (and coder state)."""
         raise NotImplementedError
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
-        lead = (self.batch_size, self.num_heads)
+    def _make_storage(self, make, dim: int, value_dim: int) -> None:
         stream = max(self.max_cache_len - self.sinks, 0)
-        sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
-        make = lambda *shape, dtype: torch.zeros(*lead, *shape, dtype=dtype, device=self.device)  # noqa: E731
-        self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
-        self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
         self._make_keys(make, stream, dim)
-        self.values = _zeros(self.v_format, (*lead, stream), value_dim, self.device)
+        self.values = _zeros(self.v_format, (self.batch_size, self.num_heads, stream), value_dim, self.device)
         self.positions = self.shared.buffer(self.batch_size, self.max_cache_len, self.device)
         rope = self.inner.rope
         self.freqs, self.order = rope.on(self.device) if rope is not None else (None, None)
-        if not torch.compiler.is_compiling():
-            for t in self.tensors():
-                torch._dynamo.mark_static_address(t)
-        self.is_initialized = True
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor (batch first; the shared positions, the cache's to reorder once, not included)."""
@@ -751,22 +760,10 @@ class PackedKeptLayer(EagerPromptLayer):
         budget = max(math.ceil(self.keep * max_cache_len) - self.sinks, self.recent)
         self.slots = budget + 2 * max(ROOM_MIN, (budget + 1) // ROOM_FRACTION) + 2  # (the eager layer's most)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim, self.v_head_dim = dim, value_dim = key_states.shape[-1], value_states.shape[-1]
-        sink_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
-        make = lambda *shape, dtype: torch.zeros(self.batch_size, self.num_heads, *shape, dtype=dtype,  # noqa: E731
-                                                 device=self.device)  # fmt: skip
-        self.sink_keys = make(self.sinks, dim, dtype=sink_dtype)
-        self.sink_values = make(self.sinks, value_dim, dtype=sink_dtype)
+    def _make_storage(self, make, dim: int, value_dim: int) -> None:
         self.keys = make(self.slots, dim, dtype=torch.float16)
         self.values = make(self.slots, value_dim, dtype=torch.float16)
         self.index = make(self.slots, dtype=torch.int32)
-        if not torch.compiler.is_compiling():
-            for t in self.tensors():
-                torch._dynamo.mark_static_address(t)
-        self.is_initialized = True
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor (batch first)."""
