@@ -7,9 +7,10 @@ mode None: CUDA graphs do not exist here), `q4_0-rot-static` / `-compiled` (`Sta
 "q4_0", rotate=True)`, the llama.cpp format with rotation), `delta` (`DeltaKVCache(kf=32, model=model)`, eager),
 `delta-static` / `-compiled` (`StaticDeltaKVCache(kf=32, max_cache_len=...)`: the same coding preallocated); the other
 caches (`OTHERS`, `--caches`): `kivi` (`KIVIKVCache()`), `delta-token` (`DeltaKVCache(kf=32, keys="token")`),
-`streaming-llm` and `snapkv` (keep 0.3), each eager, `-static` (`StaticKIVIKVCache`, `StaticDeltaKVCache(...,
-keys="token")`, `StaticStreamingLLMCache`, `StaticSnapKVCache`) and `-static-compiled` (`--others` times KIVI and
-`keys="token"`; the eviction caches are in its memory table only: see `main`). Each
+`streaming-llm` and `snapkv` (keep 0.3), `residual` (`ResidualKVCache(model=model)`), each eager, `-static`
+(`StaticKIVIKVCache`, `StaticDeltaKVCache(..., keys="token")`, `StaticStreamingLLMCache`, `StaticSnapKVCache`,
+`StaticResidualKVCache`) and `-static-compiled` (`--others` times KIVI and `keys="token"`; the eviction caches are in
+its memory table only: see `main`; `--residual` times the residual cache). Each
 configuration runs in its own process: one warm-up generation (compiling, where asked), then its rounds, each a
 generation of `--new` tokens on a fresh cache: decode tokens/s = (new - 1) / the time between the first new token's
 logits and the last's (`--timing stamps`, a logits processor's clock; `--timing subtract`, how `compiled_decode.json`
@@ -20,6 +21,7 @@ variation swamps). Figures are medians over rounds, and each row's ratio is agai
     python benchmarks/compiled_decode.py                              # 1K, 4K; fp32 and bf16; 2 rounds
     python benchmarks/compiled_decode.py --ctx 4096 --dtypes bfloat16 --caches static,q4_0-rot-static-compiled
     python benchmarks/compiled_decode.py --others   # KIVI, keys="token" at 4K -> compiled_decode_others.json
+    python benchmarks/compiled_decode.py --residual # ResidualKVCache at 4K -> compiled_decode_residual.json
 
 Memory (`--memory`, default 8192,32768): what each preallocated cache holds at that `max_cache_len` for SmolLM2 in
 fp16 after a 64-token prompt (`nbytes()`: the capacity, allocated up front; transformers' `StaticCache` counted the
@@ -50,7 +52,7 @@ CACHES = (
     "delta-static-compiled",
 )
 UNCOMPRESSED = ("dynamic", "static", "static-compiled")
-OTHERS = tuple(f"{name}{suffix}" for name in ("kivi", "delta-token", "streaming-llm", "snapkv")
+OTHERS = tuple(f"{name}{suffix}" for name in ("kivi", "delta-token", "streaming-llm", "snapkv", "residual")
                for suffix in ("", "-static", "-static-compiled"))  # fmt: skip
 
 
@@ -60,10 +62,12 @@ def make_cache(name: str, model, capacity: int):
     from hf_deltakv import (
         DeltaKVCache,
         KIVIKVCache,
+        ResidualKVCache,
         SnapKVCache,
         StaticDeltaKVCache,
         StaticKIVIKVCache,
         StaticQuantizedKVCache,
+        StaticResidualKVCache,
         StaticSnapKVCache,
         StaticStreamingLLMCache,
         StreamingLLMCache,
@@ -75,6 +79,7 @@ def make_cache(name: str, model, capacity: int):
         "delta-token": (DeltaKVCache, StaticDeltaKVCache, {"kf": 32, "keys": "token"}),
         "streaming-llm": (StreamingLLMCache, StaticStreamingLLMCache, {"keep": 0.3}),
         "snapkv": (SnapKVCache, StaticSnapKVCache, {"keep": 0.3}),
+        "residual": (ResidualKVCache, StaticResidualKVCache, {}),  # (the built-in compressor of SmolLM2)
     }
     family = others.get(base.removesuffix("-static"))
     if family is not None:
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "compiled_decode.json"))
     parser.add_argument("--memory", default="8192,32768", help="max_cache_len values for the memory table")
     parser.add_argument("--others", action="store_true", help="the other caches (OTHERS) at 4K, their own JSON")
+    parser.add_argument("--residual", action="store_true", help="ResidualKVCache at 4K, its own JSON")
     parser.add_argument("--timing", default="stamps", choices=("stamps", "subtract"),
                         help="decode time: between the first and last token's logits in one generation (stamps), or a "
                         "full generation less a prefill-only one (subtract: compiled_decode.json's and "
@@ -169,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         memory_of = OTHERS
         args.ctx, args.caches = "4096", ",".join((*UNCOMPRESSED, *(c for c in OTHERS if "kivi" in c or "token" in c)))
         args.out = str(RESULTS / "compiled_decode_others.json")
+    if args.residual:
+        memory_of = [c for c in OTHERS if c.startswith("residual")]
+        args.ctx, args.caches = "4096", ",".join((*UNCOMPRESSED, *memory_of))
+        args.out = str(RESULTS / "compiled_decode_residual.json")
     if args.one:
         print(json.dumps(measure_one(args.one, int(args.ctx), args.new, args.dtypes, args.rounds, args.timing)))
         return 0

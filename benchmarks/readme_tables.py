@@ -112,6 +112,7 @@ CURRENT = (
     "compiled_decode.json",
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
+    "compiled_decode_residual.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -507,7 +508,8 @@ def results() -> None:
             print(f"\n## {heading} (`{name}`)\n\n{how}\n")
             print(long_context_tables(name=name))
     runs = (("compiled_decode.json", ""), ("compiled_decode_8k.json", ", 8K prompts"),
-            ("compiled_decode_others.json", ": the other caches"))  # fmt: skip
+            ("compiled_decode_others.json", ": the other caches"),
+            ("compiled_decode_residual.json", ": the learned residual cache"))  # fmt: skip
     for name, what in runs:
         compiled = _load(name)
         if compiled:

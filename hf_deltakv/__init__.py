@@ -12,6 +12,7 @@ from .cache import (
     StreamingLLMCache,
 )
 from .residual.cache import ResidualKVCache
+from .residual.static import StaticResidualKVCache
 from .static import (
     StaticDeltaKVCache,
     StaticKIVIKVCache,
@@ -34,6 +35,7 @@ __all__ = [
     "StaticDeltaKVCache",
     "StaticKIVIKVCache",
     "StaticQuantizedKVCache",
+    "StaticResidualKVCache",
     "StaticSnapKVCache",
     "StaticStreamingLLMCache",
     "StreamingLLMCache",

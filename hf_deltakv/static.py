@@ -97,7 +97,7 @@ class StaticStreamCache(Cache):
                 "answers scaled_dot_product_attention from the codes"
             )
         self.eager, self.max_cache_len = eager, max_cache_len
-        self.options = {**eager.options, "max_cache_len": max_cache_len}
+        self.options = {**(eager.options or {}), "max_cache_len": max_cache_len}
         self.shared = SharedPositions()
         count = len(model_layer_types(model))
         super().__init__(layers=[layer(eager._new_layer(i), max_cache_len, self.shared, i == count - 1)

@@ -44,7 +44,9 @@ implementation each): `hf_deltakv::plain_attention` runs `stream_attention` abov
 `hf_deltakv::stream_append` (`undo_rope_into`, `quantize_at`) with `hf_deltakv::adaptive_attention`
 (`add_query_energy`, `code_groups`, `stream_attention`) is a decoding step of a `DeltaKVCache` layer, with
 `hf_deltakv::channel_attention` (`quantize_at`, `stream_attention`) one of a `KIVIKVCache` layer, over storage
-preallocated for `max_cache_len` tokens.
+preallocated for `max_cache_len` tokens; `residual.ops` registers the residual cache's two (`latent_append`:
+`write_raw`, `encode_latent_into`; `latent_attention_step`: `latent_stream_attention`, or `dequantize_latent` and
+`latent_attention` by chunks) in the same library.
 """
 
 from __future__ import annotations

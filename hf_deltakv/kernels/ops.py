@@ -34,7 +34,7 @@ from .online_softmax import OnlineSoftmax
 _LIBRARY = torch.library.Library("hf_deltakv", "DEF")
 
 
-def _op(mutates_args: tuple[str, ...] = ()):
+def op(mutates_args: tuple[str, ...] = ()):
     """Define `fn` as the op `hf_deltakv::<its name>` (the schema inferred from its annotations, `mutates_args` marked
     as written) through torch.library's low-level API: a call runs `fn` directly. (`torch.library.custom_op` wraps
     every call in Python, ~0.14 ms measured here, more than a decoding step's attention kernel over 1K tokens.)"""
@@ -47,7 +47,7 @@ def _op(mutates_args: tuple[str, ...] = ()):
     return define
 
 
-def _fake(fn):
+def fake(fn):
     """`fn` as the fake implementation (shapes only, for tracing) of the op of its name without the leading `_`."""
     torch.library.register_fake(f"hf_deltakv::{fn.__name__.removeprefix('_')}", fn, lib=_LIBRARY)
     return fn
@@ -64,7 +64,7 @@ def _stream(codes: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor
     return PlainStream(_values(codes, scales, mins, fmt, dim), dim, codes.shape[2], rotation)
 
 
-@_op()
+@op()
 def plain_attention(
     query: torch.Tensor,
     k_codes: torch.Tensor,
@@ -98,7 +98,7 @@ def plain_attention(
     return out.float().contiguous()
 
 
-@_fake
+@fake
 def _plain_attention(query, k_codes, k_scales, k_mins, v_codes, v_scales, v_mins, mask, *, k_format, v_format,
                      value_dim, rotate, scale):  # fmt: skip
     batch, heads, group, n, _ = query.shape
@@ -116,7 +116,7 @@ def _plain_attention(query, k_codes, k_scales, k_mins, v_codes, v_scales, v_mins
 TOKENS, CODED, OBSERVED, BEFORE = range(4)
 
 
-def _to_sinks(
+def to_sinks(
     key: torch.Tensor, value: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor, at: int
 ) -> None:
     """A token `[batch, kv_heads, 1, dim]` into row `at` of the raw sinks (fp16 saturates: `StreamLayer._to_sink`)."""
@@ -131,7 +131,7 @@ def _tail_row(stream_token: int, coded: int, group: int, pad: int) -> int:
     return stream_token - (coded * group - pad if coded else 0)
 
 
-@_op(mutates_args=("sink_keys", "sink_values", "tail", "v_codes", "v_scales", "v_mins", "positions", "counts"))
+@op(mutates_args=("sink_keys", "sink_values", "tail", "v_codes", "v_scales", "v_mins", "positions", "counts"))
 def stream_append(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -166,7 +166,7 @@ def stream_append(
     sinks = sink_keys.shape[2]
     positions[:, held] = held if position_ids is None else position_ids[:, 0]
     if held < sinks:
-        _to_sinks(key, value, sink_keys, sink_values, held)
+        to_sinks(key, value, sink_keys, sink_values, held)
     else:
         token = held - sinks
         ids = positions[:, held : held + 1] if freqs is not None else None
@@ -176,13 +176,13 @@ def stream_append(
     counts[TOKENS] += 1
 
 
-@_fake
+@fake
 def _stream_append(key, value, position_ids, sink_keys, sink_values, tail, v_codes, v_scales, v_mins, positions,
                      freqs, order, counts, *, group, pad, v_format, search_scale, rotation):  # fmt: skip
     return None
 
 
-@_op(mutates_args=("planes", "depths", "low", "step", "energy", "before", "counts"))
+@op(mutates_args=("planes", "depths", "low", "step", "energy", "before", "counts"))
 def adaptive_attention(
     query: torch.Tensor,
     mask: torch.Tensor | None,
@@ -299,14 +299,14 @@ def _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs,
     return out.float().reshape(batch, heads, n, value_dim)
 
 
-@_fake
+@fake
 def _adaptive_attention(query, mask, sink_keys, sink_values, planes, depths, low, step, tail, v_codes, v_scales,
                         v_mins, positions, freqs, order, energy, before, counts, *, pad, total_bits, clip_range,
                         query_weights, v_format, rotation, scale):  # fmt: skip
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
 
 
-@_op(mutates_args=("k_codes", "k_scales", "k_mins", "counts"))
+@op(mutates_args=("k_codes", "k_scales", "k_mins", "counts"))
 def channel_attention(
     query: torch.Tensor,
     mask: torch.Tensor | None,
@@ -355,7 +355,7 @@ def channel_attention(
     return _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs, order, held, scale)
 
 
-@_fake
+@fake
 def _channel_attention(query, mask, sink_keys, sink_values, k_codes, k_scales, k_mins, tail, v_codes, v_scales,
                        v_mins, positions, freqs, order, counts, *, k_format, v_format, rotation, scale):  # fmt: skip
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
@@ -383,7 +383,7 @@ def _compact_in_place(keys, values, index, slots: int, first: int, live: int, ro
     return min(live + room, keys.shape[2])
 
 
-@_op(mutates_args=("sink_keys", "sink_values", "keys", "values", "index", "counts"))
+@op(mutates_args=("sink_keys", "sink_values", "keys", "values", "index", "counts"))
 def kept_append(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -403,7 +403,7 @@ def kept_append(
     seen, slots, first, live, end = counts.tolist()
     sinks = sink_keys.shape[2]
     if seen < sinks:
-        _to_sinks(key, value, sink_keys, sink_values, seen)
+        to_sinks(key, value, sink_keys, sink_values, seen)
         counts[0] += 1
         return
     if slots + 1 > end:  # the room is spent: the kept tokens compacted, room made (none for the first token)
@@ -417,12 +417,12 @@ def kept_append(
     counts.copy_(torch.tensor([seen + 1, slots + 1, first, live + 1, end]))
 
 
-@_fake
+@fake
 def _kept_append(key, value, sink_keys, sink_values, keys, values, index, counts):
     return None
 
 
-@_op(mutates_args=("keys", "values", "index", "counts"))
+@op(mutates_args=("keys", "values", "index", "counts"))
 def kept_attention_step(
     query: torch.Tensor,
     mask: torch.Tensor | None,
@@ -473,7 +473,7 @@ def kept_attention_step(
     return out.float()
 
 
-@_fake
+@fake
 def _kept_attention_step(query, mask, sink_keys, sink_values, keys, values, index, counts, *, keep, recent, pool,
                          snapkv, scale):  # fmt: skip
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
@@ -495,7 +495,7 @@ _TOKEN_WRITES = ("sink_keys", "sink_values", "kf_codes", "kf_scales", "kf_mins",
                  "means", "reference", "running", "v_codes", "v_scales", "v_mins", "positions", "counts")  # fmt: skip
 
 
-@_op(mutates_args=_TOKEN_WRITES)
+@op(mutates_args=_TOKEN_WRITES)
 def token_append(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -543,7 +543,7 @@ def token_append(
     sinks = sink_keys.shape[2]
     positions[:, held] = held if position_ids is None else position_ids[:, 0]
     if held < sinks:
-        _to_sinks(key, value, sink_keys, sink_values, held)
+        to_sinks(key, value, sink_keys, sink_values, held)
     else:
         stream = held - sinks
         keyframes, deltas = _delta_storage(kf_codes, kf_scales, kf_mins, d_codes, d_scales, d_mins, keyframe_format,
@@ -564,7 +564,7 @@ def token_append(
     counts[TOKENS] += 1
 
 
-@_fake
+@fake
 def _token_append(key, value, position_ids, sink_keys, sink_values, kf_codes, kf_scales, kf_mins, d_codes, d_scales,
                   d_mins, means, reference, running, v_codes, v_scales, v_mins, positions, freqs, order, counts, *, kf,
                   keyframe_format, delta_format, previous, intra, mean_reference, key_rotation, v_format,
@@ -572,7 +572,7 @@ def _token_append(key, value, position_ids, sink_keys, sink_values, kf_codes, kf
     return None
 
 
-@_op()
+@op()
 def token_attention(
     query: torch.Tensor,
     mask: torch.Tensor | None,
@@ -630,7 +630,7 @@ def token_attention(
     return _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs, order, held, scale)
 
 
-@_fake
+@fake
 def _token_attention(query, mask, sink_keys, sink_values, kf_codes, kf_scales, kf_mins, d_codes, d_scales, d_mins,
                      means, v_codes, v_scales, v_mins, positions, freqs, order, counts, *, kf, keyframe_format,
                      delta_format, previous, intra, mean_reference, key_rotation, v_format, rotation,

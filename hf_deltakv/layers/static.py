@@ -332,7 +332,11 @@ class EagerPromptLayer(FixedBatch, StaticLayer):
             return
         like = torch.empty(self.batch_size, self.num_heads, 0, self.k_head_dim, dtype=self.dtype, device=self.device)
         self._to_inner(like, like.new_empty(*like.shape[:3], self.v_head_dim))
-        self.inner.crop(max_length)
+        try:
+            self.inner.crop(max_length)
+        except BaseException:
+            self.inner.reset()  # (a refused crop: the storage still holds every token)
+            raise
         self._from_inner()
 
     def reset(self) -> None:
@@ -350,7 +354,48 @@ class EagerPromptLayer(FixedBatch, StaticLayer):
         return sum(t.numel() * t.element_size() for t in self.tensors()) if self.is_initialized else 0
 
 
-class PackedStreamLayer(EagerPromptLayer):
+class PositionedLayer(EagerPromptLayer):
+    """An `EagerPromptLayer` whose tokens' positions are kept in the cache's shared buffer (`SharedPositions`), for
+    keys coded before RoPE (the eager layer's position log set from it and read back).
+
+    Args:
+        inner, max_cache_len, counters: as `EagerPromptLayer`.
+        shared: the cache's `SharedPositions` (one position buffer for every layer).
+        last: the model's last layer (its prompt ends the forward: the eager position log is let go).
+    """
+
+    def __init__(self, inner, max_cache_len: int, counters: int, shared: SharedPositions, last: bool) -> None:
+        super().__init__(inner, max_cache_len, counters)
+        self.shared, self.last = shared, last
+
+    def _make_positions(self) -> None:
+        """The shared position buffer, and the eager layer's RoPE (frequencies float64, channel order) on the
+        device (None, None: keys coded as given)."""
+        self.positions = self.shared.buffer(self.batch_size, self.max_cache_len, self.device)
+        rope = self.inner.rope
+        self.freqs, self.order = rope.on(self.device) if rope is not None else (None, None)
+
+    def _positions_to_inner(self, held: int) -> None:
+        """The eager layer's position log set from the buffer, unless it holds the `held` tokens' already."""
+        log = self.inner.positions if self.inner.rope is not None else None  # (keys after RoPE: no positions kept)
+        if log is not None and (log.ids is None or log.ids.shape[1] != held):
+            log.reset()
+            log.record(0, held, self.positions[:, :held])
+
+    def _positions_from_inner(self, held: int) -> None:
+        """The eager layer's positions into the buffer (consecutive ones where it keeps none), then the eager layer
+        emptied (and the shared log after the model's last layer)."""
+        inner = self.inner
+        if inner.rope is not None and inner.positions.ids is not None:
+            self.positions[:, :held] = inner.positions.ids
+        elif held:
+            self.positions[:, :held] = torch.arange(held, dtype=torch.int32, device=self.device)
+        inner.reset()
+        if self.last and inner.positions is not None:
+            inner.positions.reset()
+
+
+class PackedStreamLayer(PositionedLayer):
     """A layer of a `CompressedKVCache` (raw sinks, then keys coded by the subclass's codec and values per token in a
     block format) with its storage preallocated to `max_cache_len` tokens, whose decoding step compiles
     (`EagerPromptLayer`). The keys' coding is the subclass's: `PackedDeltaLayer` (DeltaKVCache), `PackedChannelLayer`
@@ -359,19 +404,17 @@ class PackedStreamLayer(EagerPromptLayer):
     Args:
         inner: the eager layer (values `PlainCodec`, maybe rotated; keys the subclass's codec, maybe rotated).
         max_cache_len: tokens the layer can hold.
-        shared: the cache's `SharedPositions` (one position buffer for every layer).
-        last: the model's last layer (its prompt ends the forward: the eager position log is let go).
+        shared, last: as `PositionedLayer`.
     """
 
     counters = 4  # (`kernels.ops`: TOKENS and the subclass's)
     serves = "a CompressedKVCache's coding"  # (what the subclass serves, for the error below)
 
     def __init__(self, inner, max_cache_len: int, shared: SharedPositions, last: bool) -> None:
-        super().__init__(inner, max_cache_len, self.counters)
+        super().__init__(inner, max_cache_len, self.counters, shared, last)
         from ..codecs.plain import PlainCodec
         from ..codecs.rotation import RotatedCodec
 
-        self.shared, self.last = shared, last
         values, keys = inner.value_codec, inner.key_codec
         self.rotated = isinstance(values, RotatedCodec)
         plain = values.inner if self.rotated else values
@@ -404,9 +447,7 @@ class PackedStreamLayer(EagerPromptLayer):
         stream = max(self.max_cache_len - self.sinks, 0)
         self._make_keys(make, stream, dim)
         self.values = _zeros(self.v_format, (self.batch_size, self.num_heads, stream), value_dim, self.device)
-        self.positions = self.shared.buffer(self.batch_size, self.max_cache_len, self.device)
-        rope = self.inner.rope
-        self.freqs, self.order = rope.on(self.device) if rope is not None else (None, None)
+        self._make_positions()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor (batch first; the shared positions, the cache's to reorder once, not included)."""
@@ -420,10 +461,7 @@ class PackedStreamLayer(EagerPromptLayer):
         self._keys_to_inner(self.key_codec(), stream)
         plain = inner.value_codec.inner if self.rotated else inner.value_codec
         plain.stored, plain.length = self.values.map(lambda t: t[:, :, :stream].clone()), stream
-        log = inner.positions if inner.rope is not None else None  # (keys after RoPE: no positions kept)
-        if log is not None and (log.ids is None or log.ids.shape[1] != held):
-            log.reset()
-            log.record(0, held, self.positions[:, :held])
+        self._positions_to_inner(held)
 
     def _keys_to_inner(self, keys, stream: int) -> None:
         """The eager key codec's state set from the storage (`stream` tokens after the sinks)."""
@@ -442,14 +480,8 @@ class PackedStreamLayer(EagerPromptLayer):
         if plain.stored is not None:
             for stored, rows in zip(self.values.tensors(), plain.stored.tensors(), strict=True):
                 stored[:, :, : plain.length] = rows
-        if inner.rope is not None and inner.positions.ids is not None:
-            self.positions[:, :held] = inner.positions.ids
-        elif held:
-            self.positions[:, :held] = torch.arange(held, dtype=torch.int32, device=self.device)
         self.counts.copy_(torch.tensor([held, *rest]))
-        inner.reset()
-        if self.last and inner.positions is not None:
-            inner.positions.reset()
+        self._positions_from_inner(held)
 
     def _keys_from_inner(self, keys) -> tuple[int, ...]:
         """The eager key codec's state into the storage; returns the subclass's counters."""

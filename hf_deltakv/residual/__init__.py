@@ -4,12 +4,14 @@ fitting, training and checkpoints."""
 from .cache import ResidualKVCache
 from .checkpoint import load_compressor, save_compressor
 from .compressor import ResidualCompressor, ResidualConfig, ResidualLayout
+from .static import StaticResidualKVCache
 
 __all__ = [
     "ResidualCompressor",
     "ResidualConfig",
     "ResidualKVCache",
     "ResidualLayout",
+    "StaticResidualKVCache",
     "load_compressor",
     "save_compressor",
 ]

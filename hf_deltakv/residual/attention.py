@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,9 +113,57 @@ def _narrowed(weights: torch.Tensor) -> torch.Tensor:
     return half if torch.equal(half.float(), weights) else weights
 
 
+class CodedWeights(NamedTuple):
+    """What `attend_latents` reads of a layer's decoder: `key_decoder` `[kv_heads * dim, kept key components]` in
+    `key_decoder_dtype` (F.linear's weight layout), `key_mean` `[kv_heads * dim]`, `value_decoder` `[kv_heads, kept
+    value components, dim]`, `value_mean` `[kv_heads, dim]`."""
+
+    key_decoder: torch.Tensor
+    key_mean: torch.Tensor
+    value_decoder: torch.Tensor
+    value_mean: torch.Tensor
+
+
+def coded_weights(compressor: LayerCompressor, bits: list[int], kv_heads: int) -> CodedWeights:
+    """The layer's decoder as `attend_latents` reads it, kept on the compressor until a weight changes (a layer asks
+    at every decode step)."""
+    half = len(bits) // 2
+    key_depths, value_depths = tuple(bits[:half]), tuple(bits[half:])
+    key_rows, value_rows = _kept(key_depths)[1], _kept(value_depths)[1]
+    dtype = key_decoder_dtype(compressor.key_decoder.device)
+    key_decoder = _served(
+        compressor, "key_decoder", (key_depths, dtype), lambda w: w[key_rows.to(w.device)].t().contiguous().to(dtype)
+    )
+    value_dim = compressor.stream_dim // kv_heads
+    value_decoder = _served(
+        compressor,
+        "value_decoder",
+        (value_depths,),
+        lambda w: w[value_rows.to(w.device)].view(-1, kv_heads, value_dim).transpose(0, 1).contiguous(),
+    )
+    value_mean = compressor.value_mean.detach().view(kv_heads, value_dim)
+    return CodedWeights(key_decoder, compressor.key_mean.detach(), value_decoder, value_mean)
+
+
 def attend_coded(
     state: OnlineSoftmax,
     compressor: LayerCompressor,
+    bits: list[int],
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    first: int,
+    kv_heads: int,
+    rope: Callable[[int, int], RopeAngles | None],
+    canonical: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Fold coded tokens into `state` (`attend_latents` with the decoder of `compressor`)."""
+    weights = coded_weights(compressor, bits, kv_heads)
+    attend_latents(state, weights, bits, codes, scales, first, kv_heads, rope, canonical)
+
+
+def attend_latents(
+    state: OnlineSoftmax,
+    weights: CodedWeights,
     bits: list[int],
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -127,7 +176,8 @@ def attend_coded(
 
     Args:
         state: the attention being computed (queries, scale, mask over every position held).
-        compressor, bits: the layer's decoder and its latent groups' depths (keys' groups, then values').
+        weights: the layer's decoder (`coded_weights`).
+        bits: its latent groups' depths (keys' groups, then values').
         codes, scales: `uint8 [batch, tokens, bytes]`, `fp16 [batch, tokens, kept groups]` of tokens coded against
             zero (no references).
         first: the position of the first coded token in `state`'s key order.
@@ -137,25 +187,12 @@ def attend_coded(
         canonical: the RoPE's channel order applied to queries (the coded keys are in it), or None: the model's.
     """
     half = len(bits) // 2
-    key_depths, value_depths = tuple(bits[:half]), tuple(bits[half:])
-    key_bits, key_rows, key_bytes = _kept(key_depths)
-    value_bits, value_rows, _ = _kept(value_depths)
+    key_bits, _, key_bytes = _kept(tuple(bits[:half]))
+    value_bits = _kept(tuple(bits[half:]))[0]
     key_scales = len(key_bits)
-    dtype = key_decoder_dtype(codes.device)
-    # [heads * dim, kept] in `dtype`: F.linear's weight layout, which bf16 matrix units take without a copy
-    key_decoder = _served(
-        compressor, "key_decoder", (key_depths, dtype), lambda w: w[key_rows.to(w.device)].t().contiguous().to(dtype)
-    )
-    key_mean = compressor.key_mean.detach()
-    value_dim = compressor.stream_dim // kv_heads
-    # [heads, kept, dim]: one product per head with the latents the softmax weights summed
-    value_decoder = _served(
-        compressor,
-        "value_decoder",
-        (value_depths,),
-        lambda w: w[value_rows.to(w.device)].view(-1, kv_heads, value_dim).transpose(0, 1).contiguous(),
-    )
-    value_mean = compressor.value_mean.detach().view(kv_heads, value_dim)
+    key_decoder, key_mean, value_decoder, value_mean = weights
+    dtype = key_decoder.dtype
+    value_dim = value_decoder.shape[-1]
     query = state.grouped(kv_heads)
     batch, _, group, n, dim = query.shape
     rows = query.reshape(batch, kv_heads, group * n, dim)

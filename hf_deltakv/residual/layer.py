@@ -231,6 +231,8 @@ class ResidualLayer(StreamLayer):
         served = self._attend_kernel(query, mask, scale, first)
         if served is not None:
             return served
+        if mask is not None and query.shape[2] == 1 and mask.device.type == "cpu" and bool(mask.all()):
+            mask = None  # (every token visible: the causal rule is the same, whether a mask was given or not)
         state = OnlineSoftmax(query, scale, mask, self.cumulative_length - offset)
         # Raw parts (keys, values, first position): sinks and window. A lone query without a mask sees every key, so
         # a decoding step folds both in one product (each fold is ~10 small ops per layer).
