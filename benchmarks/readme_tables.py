@@ -481,6 +481,20 @@ def results() -> None:
             f"causal choice of tokens sees the queries of the {sensitivity['window']} tokens after each.\n"
         )
         print("\n\n".join(sensitivity_table(result) for result in sensitivity["results"]))
+    basis = _load("value_basis.json")
+    if basis:
+        from value_basis import markdown as basis_table
+
+        cfg = basis["config"]
+        print(
+            "\n## Values in each head's own directions (`value_basis.py`, `value_basis.json`)\n\n"
+            "KL from the unmodified model when only values are coded, as above (keys exact, the first "
+            f"{cfg['sinks']} tokens raw), for value coders below four bits: the bases, means and bits calibrated on "
+            f"{cfg['calib']}, measured on WikiText-2 validation (`basis-self`: fitted on the measured window's own "
+            "values). Bits a value count the codes and the per-token or per-block fp16 scales; the per-model tables "
+            "are not spread over tokens.\n"
+        )
+        print("\n\n".join(basis_table(result) for result in basis["results"]))
     cost = _load("encode_cost.json")
     if cost:
         cfg = cost["config"]
