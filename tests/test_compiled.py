@@ -233,3 +233,17 @@ def test_beam_search_decodes_as_the_eager_cache(name):
     static = getattr(hf_deltakv, static_name)(**{**options, "model": model}, max_cache_len=64)
     ids = [model.generate(prompt(), max_new_tokens=40, num_beams=3, do_sample=False, cache=c) for c in (eager, static)]
     assert torch.equal(*ids)
+
+
+def test_ops_with_host_counters_run_outside_cuda_graphs():
+    """Every op of ours that reads host counters (`counts`) is tagged `cudagraph_unsafe` (inductor's partitioning then
+    runs it outside the CUDA graphs); `plain_attention`, which keeps no state on the host, is not."""
+    import hf_deltakv.residual.ops  # noqa: F401  (registers the residual cache's ops)
+    from hf_deltakv.kernels.ops import DEFINED
+
+    ops = {name: getattr(torch.ops.hf_deltakv, name).default for name in DEFINED}
+    assert len(ops) == 10
+    for name, op in ops.items():
+        host = any(argument.name == "counts" for argument in op._schema.arguments)
+        assert (torch.Tag.cudagraph_unsafe in op.tags) == host, name
+    assert not ops["plain_attention"].tags

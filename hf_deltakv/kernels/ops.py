@@ -11,6 +11,7 @@ dispatch runs when the graph runs.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -32,16 +33,24 @@ from .layout import (
 from .online_softmax import OnlineSoftmax
 
 _LIBRARY = torch.library.Library("hf_deltakv", "DEF")
+DEFINED: list[str] = []  # the name of every op defined (`op`), here and in `residual.ops`
 
 
 def op(mutates_args: tuple[str, ...] = ()):
     """Define `fn` as the op `hf_deltakv::<its name>` (the schema inferred from its annotations, `mutates_args` marked
     as written) through torch.library's low-level API: a call runs `fn` directly. (`torch.library.custom_op` wraps
-    every call in Python, ~0.14 ms measured here, more than a decoding step's attention kernel over 1K tokens.)"""
+    every call in Python, ~0.14 ms measured here, more than a decoding step's attention kernel over 1K tokens.)
+
+    An op that takes the layer's host counters (an argument `counts`) reads and advances them on the host at every
+    call, which a CUDA graph's replay would not do: it is tagged `cudagraph_unsafe`, so that inductor's graph
+    partitioning (`mode="reduce-overhead"`) runs it outside the CUDA graphs, which replay the rest of the step."""
 
     def define(fn):
-        _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        host = "counts" in inspect.signature(fn).parameters
+        tags = (torch.Tag.cudagraph_unsafe,) if host else ()
+        _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates_args), tags=tags)
         _LIBRARY.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        DEFINED.append(fn.__name__)
         return fn
 
     return define

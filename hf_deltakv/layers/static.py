@@ -16,7 +16,8 @@ dtype instead (unwritten slots decode to zeros).
 `EagerPromptLayer` (below) does the same for the layers of our other caches: a decoding step is two ops over
 preallocated storage, a prompt runs the eager layer. Its subclasses: `PackedDeltaLayer` (DeltaKVCache's adaptive
 keys), `PackedChannelLayer` (KIVI's per-channel keys), `PackedTokenLayer` (DeltaKVCache's `keys="token"`), all three
-`PackedStreamLayer`s, and `PackedKeptLayer` (StreamingLLM's and SnapKV's slots).
+`PackedStreamLayer`s (`PositionedLayer`s: the tokens' positions in a buffer the cache's layers share), and
+`PackedKeptLayer` (StreamingLLM's and SnapKV's slots); `residual.static.PackedResidualLayer` is the learned cache's.
 """
 
 from __future__ import annotations
