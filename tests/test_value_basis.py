@@ -1,0 +1,102 @@
+"""The value-basis map's coders (benchmarks/value_basis.py): the quantizers, the bit allocation and the bases do what
+the script says, so the KL it reports is the KL of those coders."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import value_basis as vb
+
+
+def test_gaussian_quantizers_are_the_known_optimal_uniform_ones():
+    assert vb.STEPS[1] == pytest.approx(1.596, abs=2e-3) and vb.ERRORS[1] == pytest.approx(0.3634, abs=1e-3)
+    assert vb.STEPS[2] == pytest.approx(0.996, abs=2e-3) and vb.ERRORS[2] == pytest.approx(0.1188, abs=1e-3)
+    for bits in range(1, vb.MAX_BITS):
+        assert vb.ERRORS[bits + 1] < vb.ERRORS[bits] and vb.STEPS[bits + 1] < vb.STEPS[bits]
+    assert vb.ERRORS[7] == pytest.approx(3.04e-4, rel=0.02) and vb.ERRORS[8] == pytest.approx(8.77e-5, rel=0.02)
+
+
+def test_allocation_spends_the_budget_by_reverse_water_filling():
+    spread = torch.tensor([16.0, 4.0, 1.0, 0.25, 1e-6, 0.0])
+    bits = vb.allocate(spread, 9)
+    assert int(bits.sum()) == 9 and bits.tolist() == sorted(bits.tolist(), reverse=True)
+    assert bits[-1] == 0 and bits[-2] == 0  # (what carries nothing gets nothing)
+    assert bits[0] - bits[1] == 1  # (a factor 4 of variance is about one bit)
+    flat = vb.allocate(torch.ones(64), 208)
+    assert set(flat.tolist()) == {3, 4} and int(flat.sum()) == 208
+    assert vb.allocate(torch.ones(4), 100).tolist() == [vb.MAX_BITS] * 4
+    assert vb.budget(3.5, 64) == 208 and vb.budget(3.5, 256) == 880  # (the fp16 scale counted)
+
+
+def test_predicted_gains_are_zero_for_a_flat_spectrum_and_grow_with_its_spread():
+    assert vb.am_gm_bits(torch.ones(64)) == pytest.approx(0.0, abs=1e-9)
+    assert vb.predicted_gain(torch.ones(64), 3.5) == pytest.approx(0.0, abs=1e-9)
+    spread = torch.tensor([4.0, 1.0] * 32)
+    assert vb.am_gm_bits(spread) == pytest.approx(0.5 * math.log2(2.5 / 2.0))
+    steep = torch.logspace(0, -3, 64)
+    assert vb.predicted_gain(steep, 3.5) > vb.predicted_gain(spread, 3.5) > 0
+
+
+def _statistics(x: torch.Tensor) -> dict:
+    """What the probe records of values `[H, T, D]`."""
+    x = x.double()
+    return {"count": x.shape[1], "sum": x.sum(1), "outer": x.transpose(1, 2) @ x}
+
+
+def test_a_basis_codes_structured_values_better_than_the_rotation_at_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    heads, tokens, dim = 2, 2048, 64
+    mixing = torch.linalg.qr(torch.randn(heads, dim, dim, generator=g))[0]
+    spread = torch.logspace(1, -1.5, dim)  # (a few strong directions, many weak)
+    x = (torch.randn(heads, tokens, dim, generator=g) * spread) @ mixing.transpose(1, 2) + 3.0
+    stats = _statistics(x)
+
+    def error(kind: str, rate: float = 3.5) -> float:
+        coder = vb.fit(stats, rate, kind, torch.eye(dim, dtype=torch.float64).expand(heads, dim, dim))
+        return float((coder(x[None]) - x[None]).pow(2).sum() / (x - x.mean(1, keepdim=True)).pow(2).sum())
+
+    assert error("basis") < 0.5 * error("mean+norm-rot")
+    assert error("basis") < error("basis-flat")  # (the allocation pays, not the directions alone)
+    assert error("mean+norm-rot") < error("norm-rot")  # (the mean 3.0 is most of the energy)
+    assert error("basis-wo") == pytest.approx(error("basis"), rel=1e-3)  # (the identity metric: the same basis)
+    assert error("basis", 8.25) < 1e-3  # (8 bits a direction: nearly exact)
+    bits = vb.fit(stats, 3.5, "basis").bits
+    assert bits.sum(-1).tolist() == [vb.budget(3.5, dim)] * heads
+
+
+def test_the_output_metric_is_the_sum_of_the_query_heads_blocks():
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = torch.nn.Linear(4 * 8, 16, bias=False)
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    layer = torch.nn.Module()
+    layer.self_attn = Attention()
+    model.model.layers = torch.nn.ModuleList([layer])
+    w = layer.self_attn.o_proj.weight.detach().double()
+    metric = vb.output_metric(model, 0, 2, 8)  # (4 query heads of 8 channels, 2 kv heads)
+    blocks = [w[:, q * 8 : (q + 1) * 8] for q in range(4)]
+    torch.testing.assert_close(metric[1], blocks[2].T @ blocks[2] + blocks[3].T @ blocks[3])
+
+
+def test_both_scales_code_near_the_values_and_the_floor_drops_no_direction():
+    g = torch.Generator().manual_seed(3)
+    heads, tokens, dim = 1, 1024, 64
+    spread = torch.logspace(0.5, -1.5, dim)
+    x = torch.randn(heads, tokens, dim, generator=g) * spread
+    stats = _statistics(x)
+    for scale in ("rms", "max"):
+        coder = vb.fit(stats, 3.5, "basis", scale=scale, floor=2)
+        assert int(coder.bits.min()) == 2 and int(coder.bits.sum()) == vb.budget(3.5, dim)
+        near = float((coder(x[None])[0] - x).pow(2).sum() / (x - x.mean(1, keepdim=True)).pow(2).sum())
+        assert near < 0.05
+    assert float(vb.fit(stats, 8.25, "basis", scale="max")(x[None]).sub(x).pow(2).mean()) < 1e-4
