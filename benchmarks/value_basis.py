@@ -28,12 +28,13 @@ nothing clipped, as a q3_0 block's; default: from its RMS, the Gaussian quantize
 
 Each direction's coefficient is divided by the token's scale (fp16: the multiple of its coefficients' RMS among
 `SCALE_SEARCH`, or with `scale=max` of their largest among `MAX_SEARCH`, that errs least, as q3_0's scale is
-searched) and the direction's calibrated spread, then quantized at its bits by the uniform quantizer of least error
-for a unit Gaussian (`scale=max`: 2^b levels evenly over ± 1; 0 bits: dropped). Calibration: `--calib` (default
-the Python standard library's code) for `--calib-windows` windows of `--ctx` tokens; measurement:
-WikiText-2 validation windows (tuning never reads test). Bits count the codes and the per-token scale (or the block
-scales); the per-model tables (a head_dim² matrix, a mean and the bits per head) are reported in bytes, not spread over
-tokens.
+searched; `scale=max` also tries `RMS_IN_MAX` multiples of their RMS, which clip one direction's excursion rather than
+coarsen every direction for it) and the direction's calibrated spread, then quantized at its bits by the uniform
+quantizer of least error for a unit Gaussian (`scale=max`: 2^b levels evenly over ± 1; 0 bits: dropped).
+Calibration: `--calib` (default the Python standard library's code) for `--calib-windows` windows of `--ctx` tokens;
+measurement: WikiText-2 validation windows (tuning never reads test). Bits count the codes and the per-token scale (or
+the block scales); the per-model tables (a head_dim² matrix, a mean and the bits per head) are reported in bytes, not
+spread over tokens.
 
 Predicted gain per head at high rate: ½·log₂(AM/GM) of the eigenvalues; at rate R: ½·log₂ of the squared error of a
 flat spectrum over that of the water-filled one, both with the same integer quantizers.
@@ -56,6 +57,7 @@ from paths import RESULTS, WIKITEXT_VALID, machine
 from value_sensitivity import SINKS, coded
 
 from hf_deltakv.kernels.hadamard import rotate
+from hf_deltakv.quant import FP16_MAX
 
 PROBE = "hf_deltakv_value_basis"
 MAX_BITS = 8
@@ -84,6 +86,8 @@ VARIANTS = (
 NORM_BITS = 16  # one fp16 scale per token and head
 SCALE_SEARCH = (0.8, 1.0, 1.25, 1.6, 2.0, 2.5, 3.2, 4.0)  # multiples of a token's RMS tried as its scale
 MAX_SEARCH = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)  # multiples of its largest coefficient (`HeadCoders` "max")
+RMS_IN_MAX = (2.0, 2.5, 3.0, 4.0)  # ... and multiples of its coefficients' RMS (the largest clipped)
+WEIGHT_FLOOR = 1e-3  # the smallest spread a direction is coded with, relative to the directions' RMS spread
 
 
 def _gaussian_quantizers() -> tuple[list[float], list[float]]:
@@ -152,18 +156,29 @@ class HeadCoders:
         coefficients' domain) times each direction's calibrated spread, quantized at the direction's bits."""
         x = values.float() - self.mean[:, None]
         y = torch.einsum("bhtd,hed->bhte", x, self.forward)
-        weight = (self.spread / self.spread.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30))[:, None]  # RMS 1
+        weight = self.spread / self.spread.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30)  # RMS 1
+        # (a direction the fit saw almost nothing in keeps a thousandth of the mean spread: a later token's excursion
+        # there must not make its scale overflow fp16)
+        weight = weight.clamp_min(WEIGHT_FLOOR)[:, None]
         half = (2.0 ** (self.bits - 1).clamp_min(0)).float()[:, None]
         kept = self.bits[:, None] > 0
         if self.scale == "rms":
-            size, multiples = y.pow(2).mean(-1, keepdim=True).sqrt(), SCALE_SEARCH
+            rms = y.pow(2).mean(-1, keepdim=True).sqrt()
+            sizes = [rms * multiple for multiple in SCALE_SEARCH]
             steps = torch.tensor(STEPS, dtype=torch.float32)[self.bits][:, None]  # [H, 1, D]
-        else:  # (the largest coefficient over its direction's spread, among the directions kept)
-            size = torch.where(kept, y.abs() / weight.clamp_min(1e-30), 0).amax(-1, keepdim=True)
-            multiples, steps = MAX_SEARCH, torch.where(kept, 1 / half, 0.0)
+        else:  # (the largest coefficient over its direction's spread, among the directions kept; or, where one
+            # direction's excursion would coarsen all the others, a multiple of their RMS, that one clipped)
+            relative = torch.where(kept, y.abs() / weight, 0)
+            largest = relative.amax(-1, keepdim=True)
+            # (RMS over the directions relative to their spreads, and of the coefficients themselves: the weights' RMS
+            # is 1, so a typical direction's size even where one direction the fit barely saw is far out)
+            typical = [relative.pow(2).mean(-1, keepdim=True).sqrt(), y.pow(2).mean(-1, keepdim=True).sqrt()]
+            sizes = [largest * m for m in MAX_SEARCH] + [torch.minimum(t * m, largest) for t in typical
+                                                         for m in RMS_IN_MAX]  # fmt: skip
+            steps = torch.where(kept, 1 / half, 0.0)
         best = best_error = None
-        for multiple in multiples:
-            scale = (size * multiple).half().float().clamp_min(1e-30) * weight
+        for size in sizes:
+            scale = size.clamp_max(FP16_MAX).half().float().clamp_min(1e-30) * weight
             code = torch.minimum(torch.maximum(torch.floor(y / (scale * steps).clamp_min(1e-30)), -half), half - 1)
             decoded = torch.where(kept, (code + 0.5) * steps * scale, torch.zeros_like(y))
             error = (decoded - y).pow(2).sum(-1, keepdim=True)
@@ -274,7 +289,7 @@ def output_metric(model, layer: int, kv_heads: int, dim: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int) -> dict:
+def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, only: str | None = None) -> dict:
     from transformers import AttentionInterface
 
     from hf_deltakv.eval.perplexity import token_windows
@@ -355,6 +370,8 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int) -
     result["table_bytes_per_layer"] = table_bytes
 
     def add(label: str, bits: float, code) -> None:
+        if only and only not in label:
+            return
         value, mse, output_mse = kl(code)
         result["variants"].append({"variant": label, "bits": bits, "kl": value, "value_mse": mse,
                                    "output_mse": output_mse})  # fmt: skip
@@ -422,12 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--calib", default="stdlib-code", help="the text the bases are calibrated on")
     parser.add_argument("--calib-windows", type=int, default=4)
+    parser.add_argument("--only", default=None, help="measure only the coders whose label contains this")
     parser.add_argument("--out", default=str(RESULTS / "value_basis.json"))
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     results = []
     for name in args.models.split(","):
-        results.append(measure(name, args.ctx, args.windows, args.calib, args.calib_windows))
+        results.append(measure(name, args.ctx, args.windows, args.calib, args.calib_windows, args.only))
         results[-1]["summary"] = summary(results[-1])
         print(markdown(results[-1]) + "\n", flush=True)
         config = {**vars(args), "sinks": SINKS, "rates": RATES, "date": time.strftime("%F"), "machine": machine()}
