@@ -109,6 +109,7 @@ CURRENT = (
     "encode_cost.json",
     "long_context.json",
     "value_sensitivity.json",
+    "value_basis.json",
     "compiled_decode.json",
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
@@ -490,9 +491,9 @@ def results() -> None:
             "\n## Values in each head's own directions (`value_basis.py`, `value_basis.json`)\n\n"
             "KL from the unmodified model when only values are coded, as above (keys exact, the first "
             f"{cfg['sinks']} tokens raw), for value coders below four bits: the bases, means and bits calibrated on "
-            f"{cfg['calib']}, measured on WikiText-2 validation (`basis-self`: fitted on the measured window's own "
-            "values). Bits a value count the codes and the per-token or per-block fp16 scales; the per-model tables "
-            "are not spread over tokens.\n"
+            f"{cfg['calib']}, measured on WikiText-2 validation (`(self)`: fitted on the measured window's own values, "
+            "`(prefix)`: on its first half; the options: `value_basis.py`'s docstring). Bits a value count the codes "
+            "and the per-token or per-block fp16 scales; the per-model tables are not spread over tokens.\n"
         )
         print("\n\n".join(basis_table(result) for result in basis["results"]))
     cost = _load("encode_cost.json")
