@@ -22,24 +22,41 @@ def graph_ops(graph) -> list[str]:
     return [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
 
 
+def compiles_as_eager(model, make, expected: torch.Tensor, ops: tuple[str, ...]):
+    """`make()`'s cache decodes `expected` (the eager cache's tokens) through `generate`, not compiled and then compiled
+    (`counting_config`; bf16 rounded as eager: see test_compiled): one graph, compiled at the first decoding step and
+    replayed by the 63 others, calling each of `ops` (ours) once per layer and no SDPA (attention read from the codes).
+    Returns the cache not compiled and the compiled one."""
+    eager = make()
+    assert eager.is_compileable
+    assert torch.equal(generate(model, eager), expected)  # not compiled: the tokens of the eager cache
+    torch._dynamo.reset()
+    compiles = []
+    compiled = make()
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
+    assert len(compiles) == 1
+    calls = graph_ops(compiles[0])
+    layers = len(model.model.layers)
+    assert [calls.count(f"hf_deltakv.{op}") for op in ops] == [layers] * len(ops)
+    assert not any("scaled_dot_product" in call for call in calls)
+    return eager, compiled
+
+
+def compiles_once(model, cache, expected: torch.Tensor) -> None:
+    """`cache` decodes `expected` through a compiled `generate` in one graph (the GPU-path tests)."""
+    torch._dynamo.reset()
+    compiles = []
+    assert torch.equal(generate(model, cache, counting_config(compiles)), expected)
+    assert len(compiles) == 1
+
+
 @pytest.mark.parametrize(("kf", "dtype"), [(8, torch.float32), (16, torch.bfloat16)])
 def test_generate_compiles_once_and_decodes_as_delta_kv_cache(kf, dtype):
     model = tiny_model(dtype=dtype)
     make = lambda: StaticDeltaKVCache(kf=kf, max_cache_len=80, model=model)  # noqa: E731
-    assert make().is_compileable
     expected = generate(model, DeltaKVCache(kf=kf, model=model))
-    eager = make()
-    assert torch.equal(generate(model, eager), expected)  # not compiled: the tokens of DeltaKVCache
-    torch._dynamo.reset()
-    compiles = []
-    compiled = make()
-    with torch._inductor.config.patch(emulate_precision_casts=True):  # (bf16 rounded as eager: see test_compiled)
-        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
-    assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
-    calls = graph_ops(compiles[0])
-    layers = len(model.model.layers)
-    assert calls.count("hf_deltakv.adaptive_attention") == calls.count("hf_deltakv.stream_append") == layers
-    assert not any("scaled_dot_product" in call for call in calls)  # attention read from the codes
+    eager, compiled = compiles_as_eager(model, make, expected, ("adaptive_attention", "stream_append"))
     held = 9 + NEW - 1
     for layer in compiled.layers:
         tokens, coded, observed, _ = layer.counts.tolist()
@@ -57,11 +74,7 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
     model = tiny_model()
     expected = generate(model, DeltaKVCache(kf=16, model=model))
-    torch._dynamo.reset()
-    compiles = []
-    cache = StaticDeltaKVCache(kf=16, max_cache_len=80, model=model)
-    assert torch.equal(generate(model, cache, counting_config(compiles)), expected)
-    assert len(compiles) == 1
+    compiles_once(model, StaticDeltaKVCache(kf=16, max_cache_len=80, model=model), expected)
 
 
 def steps_by_hand(grown, layer, q, k, v, prompt: int):

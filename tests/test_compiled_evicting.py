@@ -15,8 +15,8 @@ from transformers.cache_utils import StaticCache
 from hf_deltakv import SnapKVCache, StaticSnapKVCache, StaticStreamingLLMCache, StreamingLLMCache
 
 from .conftest import tiny_model
-from .test_compiled import NEW, counting_config, generate, prompt
-from .test_compiled_delta import graph_ops, steps_by_hand
+from .test_compiled import NEW, generate, prompt
+from .test_compiled_delta import compiles_as_eager, compiles_once, steps_by_hand
 
 CASES = [
     (StreamingLLMCache, StaticStreamingLLMCache, {"keep": 0.5, "sink_tokens": 4}, torch.float32),
@@ -28,20 +28,8 @@ CASES = [
 def test_generate_compiles_once_and_decodes_as_the_eager_cache(eager_cls, static_cls, options, dtype):
     model = tiny_model(dtype=dtype)
     make = lambda: static_cls(**options, max_cache_len=80, model=model)  # noqa: E731
-    assert make().is_compileable
     expected = generate(model, eager_cls(**options, model=model))
-    eager = make()
-    assert torch.equal(generate(model, eager), expected)  # not compiled: the tokens of the eager cache
-    torch._dynamo.reset()
-    compiles = []
-    compiled = make()
-    with torch._inductor.config.patch(emulate_precision_casts=True):  # (bf16 rounded as eager: see test_compiled)
-        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
-    assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
-    calls = graph_ops(compiles[0])
-    layers = len(model.model.layers)
-    assert calls.count("hf_deltakv.kept_append") == calls.count("hf_deltakv.kept_attention_step") == layers
-    assert not any("scaled_dot_product" in call for call in calls)
+    eager, compiled = compiles_as_eager(model, make, expected, ("kept_append", "kept_attention_step"))
     held = 9 + NEW - 1
     for layer, other in zip(compiled.layers, eager.layers, strict=True):
         seen, slots, _, live, _ = layer.counts.tolist()
@@ -60,11 +48,7 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     model = tiny_model()
     options = {"keep": 0.4, "window": 4, "kernel": 3}
     expected = generate(model, SnapKVCache(**options, model=model))
-    torch._dynamo.reset()
-    compiles = []
-    cache = StaticSnapKVCache(**options, max_cache_len=80, model=model)
-    assert torch.equal(generate(model, cache, counting_config(compiles)), expected)
-    assert len(compiles) == 1
+    compiles_once(model, StaticSnapKVCache(**options, max_cache_len=80, model=model), expected)
 
 
 def kept_by(layer) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch._inductor.config
 from hf_deltakv import KIVIKVCache, StaticKIVIKVCache
 
 from .conftest import tiny_model
-from .test_compiled import NEW, counting_config, generate, prompt
-from .test_compiled_delta import graph_ops, steps_by_hand
+from .test_compiled import NEW, generate, prompt
+from .test_compiled_delta import compiles_as_eager, compiles_once, steps_by_hand
 
 KIVI_OPTIONS = [
     ({}, torch.float32),  # KIVI: keys after RoPE, no sinks
@@ -25,20 +25,8 @@ KIVI_OPTIONS = [
 def test_generate_compiles_once_and_decodes_as_kivi(options, dtype):
     model = tiny_model(dtype=dtype)
     make = lambda: StaticKIVIKVCache(**options, max_cache_len=80, model=model)  # noqa: E731
-    assert make().is_compileable
     expected = generate(model, KIVIKVCache(**options, model=model))
-    eager = make()
-    assert torch.equal(generate(model, eager), expected)  # not compiled: the tokens of KIVIKVCache
-    torch._dynamo.reset()
-    compiles = []
-    compiled = make()
-    with torch._inductor.config.patch(emulate_precision_casts=True):  # (bf16 rounded as eager: see test_compiled)
-        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
-    assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
-    calls = graph_ops(compiles[0])
-    layers = len(model.model.layers)
-    assert calls.count("hf_deltakv.channel_attention") == calls.count("hf_deltakv.stream_append") == layers
-    assert not any("scaled_dot_product" in call for call in calls)  # attention read from the codes
+    eager, compiled = compiles_as_eager(model, make, expected, ("channel_attention", "stream_append"))
     held = 9 + NEW - 1
     for layer in compiled.layers:
         tokens, coded = layer.counts.tolist()[:2]
@@ -55,11 +43,7 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
     model = tiny_model()
     expected = generate(model, KIVIKVCache(pre_rope=True, model=model))
-    torch._dynamo.reset()
-    compiles = []
-    cache = StaticKIVIKVCache(pre_rope=True, max_cache_len=80, model=model)
-    assert torch.equal(generate(model, cache, counting_config(compiles)), expected)
-    assert len(compiles) == 1
+    compiles_once(model, StaticKIVIKVCache(pre_rope=True, max_cache_len=80, model=model), expected)
 
 
 def state_of(layer) -> dict:

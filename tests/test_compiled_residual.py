@@ -13,8 +13,8 @@ from hf_deltakv import ResidualKVCache, StaticResidualKVCache
 from hf_deltakv.residual.layer import CODE_BATCH
 
 from .conftest import tiny_compressor, tiny_model
-from .test_compiled import NEW, counting_config, generate, prompt
-from .test_compiled_delta import graph_ops, steps_by_hand
+from .test_compiled import NEW, generate, prompt
+from .test_compiled_delta import compiles_as_eager, compiles_once, steps_by_hand
 
 
 def caches(model, max_cache_len: int = 80, **options):
@@ -31,19 +31,8 @@ def caches(model, max_cache_len: int = 80, **options):
 def test_generate_compiles_once_and_decodes_as_residual_kv_cache(dtype, options):
     model = tiny_model(dtype=dtype)
     expected = generate(model, caches(model, **options)[0])
-    eager = caches(model, **options)[1]
-    assert eager.is_compileable
-    assert torch.equal(generate(model, eager), expected)  # not compiled: the tokens of ResidualKVCache
-    torch._dynamo.reset()
-    compiles = []
-    compiled = caches(model, **options)[1]
-    with torch._inductor.config.patch(emulate_precision_casts=True):  # (bf16 rounded as eager: see test_compiled)
-        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
-    assert len(compiles) == 1  # one graph, compiled at the first decoding step, replayed by the 63 others
-    calls = graph_ops(compiles[0])
-    layers = len(model.model.layers)
-    assert calls.count("hf_deltakv.latent_append") == calls.count("hf_deltakv.latent_attention_step") == layers
-    assert not any("scaled_dot_product" in call for call in calls)  # attention read from the codes
+    make = lambda: caches(model, **options)[1]  # noqa: E731
+    eager, compiled = compiles_as_eager(model, make, expected, ("latent_append", "latent_attention_step"))
     held = 9 + NEW - 1
     for i, layer in enumerate(compiled.layers):
         tokens, coded = layer.counts.tolist()
@@ -61,11 +50,7 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
     monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
     model = tiny_model()
-    expected = generate(model, caches(model)[0])
-    torch._dynamo.reset()
-    compiles = []
-    assert torch.equal(generate(model, caches(model)[1], counting_config(compiles)), expected)
-    assert len(compiles) == 1
+    compiles_once(model, caches(model)[1], generate(model, caches(model)[0]))
 
 
 def state_of(layer) -> dict:

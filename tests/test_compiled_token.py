@@ -11,8 +11,8 @@ import torch._inductor.config
 from hf_deltakv import DeltaKVCache, StaticDeltaKVCache
 
 from .conftest import tiny_model
-from .test_compiled import counting_config, generate, prompt
-from .test_compiled_delta import graph_ops, steps_by_hand
+from .test_compiled import generate, prompt
+from .test_compiled_delta import compiles_as_eager, compiles_once, steps_by_hand
 
 OPTIONS = [
     ({"kf": 8}, torch.float32),  # rotated keys, intra blocks against the mean snapshots (the defaults of "token")
@@ -25,18 +25,7 @@ def test_generate_compiles_once_and_decodes_as_delta_kv_cache(options, dtype):
     model = tiny_model(dtype=dtype)
     make = lambda: StaticDeltaKVCache(**options, keys="token", max_cache_len=80, model=model)  # noqa: E731
     expected = generate(model, DeltaKVCache(**options, keys="token", model=model))
-    eager = make()
-    assert torch.equal(generate(model, eager), expected)
-    torch._dynamo.reset()
-    compiles = []
-    compiled = make()
-    with torch._inductor.config.patch(emulate_precision_casts=True):  # (bf16 rounded as eager: see test_compiled)
-        assert torch.equal(generate(model, compiled, counting_config(compiles)), expected)
-    assert len(compiles) == 1  # one graph for the 63 steps: keyframes, deltas and a mean snapshot (at 64) among them
-    calls = graph_ops(compiles[0])
-    layers = len(model.model.layers)
-    assert calls.count("hf_deltakv.token_append") == calls.count("hf_deltakv.token_attention") == layers
-    assert not any("scaled_dot_product" in call for call in calls)
+    eager, compiled = compiles_as_eager(model, make, expected, ("token_append", "token_attention"))
     assert compiled.used_nbytes() == eager.used_nbytes() < compiled.nbytes()
 
 
@@ -48,11 +37,7 @@ def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
     model = tiny_model()
     expected = generate(model, DeltaKVCache(kf=16, keys="token", model=model))
-    torch._dynamo.reset()
-    compiles = []
-    cache = StaticDeltaKVCache(kf=16, keys="token", max_cache_len=80, model=model)
-    assert torch.equal(generate(model, cache, counting_config(compiles)), expected)
-    assert len(compiles) == 1
+    compiles_once(model, StaticDeltaKVCache(kf=16, keys="token", max_cache_len=80, model=model), expected)
 
 
 def state_of(layer) -> dict:
