@@ -409,3 +409,64 @@ def test_half_precision_models_read_the_cache(dtype):
         query.float(), keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1), scale=0.2
     )
     torch.testing.assert_close(layer.attend(query, None, 0.2), expected, rtol=2e-2, atol=2e-2)
+
+
+def _whole_buffer(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A buffer of `rows` (`[batch, heads, rows, ...]`) whose first rows are `t` (the rest garbage, never read)."""
+    room = torch.full((*t.shape[:2], rows, *t.shape[3:]), 3, dtype=t.dtype)
+    room[:, :, : t.shape[2]] = t
+    return room
+
+
+@pytest.mark.parametrize("key", ["adaptive-32", "adaptive-16", "adaptive-64"])
+@pytest.mark.parametrize("case", ["decode", "causal-3", "masked", "expanded-3", "rope", "reordered"])
+def test_adaptive_step_kernel_is_stream_attention_over_the_layouts(key, case):
+    """`kernels.adaptive_step` (a compiled step's attention over a preallocated DeltaKVCache layer, one C++ call
+    reading the buffers whole) returns the floats of `kernels.stream_attention` over the layouts of the same tokens,
+    bit for bit: GQA rows, batch 2, sinks, coded groups then a raw tail, a mask over the whole capacity (expanded, as
+    transformers' is), RoPE and a channel order."""
+    batch, heads, dim, length, n, sinks, capacity = 2, 2, 64, 77, 3 if case.endswith("-3") else 1, 3, 200
+    codec = _stream(CODECS[key], length, batch, heads, dim, seed=1)
+    keys, values = codec.layout(), _stream(CODECS["q4_0_16-rot"], length, batch, heads, dim, seed=2).layout()
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(batch, heads, 3 * n, dim, generator=g)
+    sink_keys, sink_values = (torch.randn(batch, heads, sinks, dim, generator=g).half() for _ in range(2))
+    held = sinks + length
+    rope = rope_angles(batch, length, dim, g) if case in ("rope", "reordered") else None
+    positions = torch.full((batch, capacity), -5, dtype=torch.int32)
+    if rope is not None:
+        positions[:, sinks:held] = rope.positions
+    order = torch.randperm(dim, generator=g) if case == "reordered" else None
+    mask = None
+    if case == "masked":
+        mask = torch.rand(batch, n, capacity, generator=g) > 0.3
+        mask[1] = False  # a row that may attend nothing
+    elif case == "expanded-3":  # transformers' mask of one position for its packed rows: read through its strides
+        mask = (torch.rand(batch, 1, capacity, generator=g) > 0.3).expand(batch, n, capacity)
+    groups = tuple(_whole_buffer(t, keys.planes.shape[2] + 2) for t in (keys.planes, keys.bits, keys.low, keys.step))
+    group = keys.group
+    tail = _whole_buffer(keys.tail, group)
+    stored = values.blocks.map(lambda t: _whole_buffer(t, capacity))
+    coded = keys.planes.shape[2]
+    got = kernels.adaptive_step(query, mask, sink_keys, sink_values, groups, tail, stored, positions,
+                                None if rope is None else rope.freqs, order, held=held, coded=coded, pad=keys.offset,
+                                rotation=values.rotation, n_queries=n, scale=0.125)  # fmt: skip
+    assert got is not None
+    ordered = (query, sink_keys) if order is None else (query[..., order], sink_keys[..., order])
+    args = (*ordered, sink_values, keys, values, rope, None if mask is None else mask[:, :, :held], n, held - n, 0.125)
+    assert torch.equal(got, attend_by_name(kernels.stream_attention, *args))
+
+
+def test_adaptive_step_kernel_declines_what_it_does_not_serve(monkeypatch):
+    """None (the caller reads the layouts through `stream_attention`) where the C++ step does not run: the reference
+    forced, a head dimension the kernel is not compiled for."""
+    keys = _stream(CODECS["adaptive-32"], 40, 1, 2, 64, seed=1).layout()
+    values = _stream(CODECS["q4_0"], 40, 1, 2, 64, seed=2).layout()
+    groups = (keys.planes, keys.bits, keys.low, keys.step)
+    args = (torch.randn(1, 2, 3, 64), None, torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64), groups, keys.tail,
+            values.blocks, torch.zeros(1, 64, dtype=torch.int32), None, None)  # fmt: skip
+    options = dict(held=43, coded=keys.planes.shape[2], pad=keys.offset, rotation=0, n_queries=1, scale=0.125)
+    assert kernels.adaptive_step(*args, **options) is not None
+    assert kernels.adaptive_step(torch.randn(1, 2, 3, 48), *args[1:], **options) is None
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+    assert kernels.adaptive_step(*args, **options) is None

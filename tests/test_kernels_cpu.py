@@ -243,3 +243,60 @@ def test_query_energy_kernel_is_the_reference(seed, heads, rows, one_position, r
     bf16 = query.bfloat16()
     assert torch.equal(kernels.query_energy(bf16, order, kv_heads, one_position),
                        kernels.reference.query_energy(bf16, order, kv_heads, one_position))  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1), st.sampled_from(QUANTIZED), st.booleans(), st.sampled_from([0, 64]), st.booleans(),
+    st.sampled_from(["none", "rope", "reordered"]), st.sampled_from([torch.float32, torch.bfloat16]),
+)  # fmt: skip
+def test_append_token_kernel_writes_the_reference_bytes(seed, fmt, search, rotation, given_ids, rope, dtype):
+    """A decoding step's token into a preallocated DeltaKVCache layer in one C++ call (`kernels.append_token`): the
+    position, the key turned back by its RoPE and saturated into the raw tail, the value quantized into its row, the
+    count advanced; every buffer byte for byte as `reference.append_token` leaves it (keys past fp16's range, zeros,
+    a subnormal), the rows around untouched."""
+    search = search and fmt in SEARCHED
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, dim, sinks, held, capacity = 2, 3, 64, 4, 9, 16
+    key, value = ((torch.randn(batch, heads, 1, dim, generator=g) * 20).to(dtype) for _ in range(2))
+    key[0, 1, 0, :5] = torch.tensor([0.0, -0.0, 1e-30, 7e4, -1e6]).to(dtype)  # past fp16's range: saturated
+    value[1, 0, 0, :4] = torch.tensor([0.0, -0.0, 6e4, -7e4]).to(dtype)
+    ids = torch.tensor([[40_000], [17]]) if given_ids else None
+    freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2)) if rope != "none" else None
+    order = torch.randperm(dim, generator=g) if rope == "reordered" else None
+    shapes = kernels.reference.quantize(torch.zeros(batch, heads, 1, dim), fmt, search)
+    storage = {
+        "positions": torch.full((batch, capacity), -3, dtype=torch.int32),
+        "counts": torch.tensor([held, 1, 0, 0]),
+        "tail": torch.full((batch, heads, 8, dim), 5.0, dtype=torch.float16),
+        "values": shapes.map(lambda t: torch.full((batch, heads, capacity, *t.shape[3:]), 7, dtype=t.dtype)),
+    }
+    spec = {name: t.map(torch.clone) if name == "values" else t.clone() for name, t in storage.items()}
+    for append, s in ((kernels.append_token, storage), (kernels.reference.append_token, spec)):
+        append(key, value, ids, s["positions"], freqs, order, s["counts"], s["tail"], 2, sinks, s["values"], fmt,
+               search, rotation)  # fmt: skip
+    for name in ("positions", "counts", "tail"):
+        assert torch.equal(storage[name].view(torch.uint8), spec[name].view(torch.uint8)), name
+    _same_bytes(storage["values"], spec["values"])
+    assert storage["counts"].tolist() == [held + 1, 1, 0, 0]
+    assert torch.equal(storage["tail"][:, :, [0, 1, *range(3, 8)]], torch.full((batch, heads, 7, dim), 5.0).half())
+    assert storage["tail"].isfinite().all()
+    for t in storage["values"].tensors():  # only row held - sinks written
+        others = [r for r in range(capacity) if r != held - sinks]
+        assert torch.equal(t[:, :, others], torch.full_like(t[:, :, others], 7))
+
+
+def test_append_token_is_one_kernel_call_unless_the_reference_is_forced(monkeypatch):
+    """On the CPU `kernels.append_token` never runs the reference's steps (one C++ call); `HF_DELTAKV_KERNELS=reference`
+    runs them."""
+    calls = []
+    monkeypatch.setattr(kernels.reference, "append_token", lambda *args: calls.append(args))
+    storage = kernels.reference.quantize(torch.zeros(1, 2, 8, 64), "q4_0").map(torch.zeros_like)
+    counts = torch.tensor([4, 0, 0, 0])
+    args = (torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), None, torch.zeros(1, 8, dtype=torch.int32), None,
+            None, counts, torch.zeros(1, 2, 4, 64, dtype=torch.float16), 0, 4, storage, "q4_0", False, 0)  # fmt: skip
+    kernels.append_token(*args)
+    assert not calls and counts[0] == 5 and storage.codes[:, :, 0].any()
+    monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
+    kernels.append_token(*args)
+    assert len(calls) == 1

@@ -13,6 +13,7 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     quantize           cpu/encode.cpp (q3_0 too)   | triton/quantize.py (append.py's kernel, a block a row)
     quantize_at        cpu/encode.cpp (rotated too)| triton/append.py (every format: rotate + search + pack)
     undo_rope_into     cpu undo_rope + a copy      | triton/append.py
+    append_token       cpu/encode.cpp (one call)   | undo_rope_into + quantize_at above (a decoding step's token)
     add_query_energy   cpu query_energy + an add   | triton/append.py
     add_query_energies cpu query_energy + adds     | triton/append.py (a chunk's running sums, one launch)
     query_energy       cpu                         | -
@@ -29,6 +30,7 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     stream_attention   cpu/stream_attention.cpp    | triton/adaptive_attention.py (adaptive keys + plain values),
                        (plain, delta streams)      |   decode_attention.py (plain keys + plain values: split, then
                                                    |   the adaptive merge), delta_attention.py (delta keys)
+    adaptive_step      cpu/stream_attention.cpp    | - (None: the caller's stream_attention; a step over storage)
     keep_rows          -                           | triton/kept.py (the evicting caches' new tokens, one launch)
     compact_kept       -                           | triton/kept.py (the kept tokens into new storage, one launch)
     kept_attention     -                           | triton/kept.py (one query per head: split over the slots, merge)
@@ -93,9 +95,11 @@ __all__ = [
     "SnapshotSchedule",
     "StreamKind",
     "StreamLayout",
+    "adaptive_step",
     "add_query_energies",
     "add_query_energy",
     "allocate_depths",
+    "append_token",
     "code_delta",
     "code_groups",
     "compact_kept",
@@ -245,6 +249,77 @@ def quantize_at(
     from .cpu.encode import quantize_at as kernel
 
     kernel(x.float(), fmt, search_scale, target, at, rotation, compiled)
+
+
+def append_token(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    tail: torch.Tensor,
+    row: int,
+    sinks: int,
+    values: QuantizedTensor,
+    fmt: str,
+    search_scale: bool,
+    rotation: int,
+) -> None:
+    """`reference.append_token` (a decoding step's token into a preallocated `DeltaKVCache` layer), dispatched: one
+    C++ call on the CPU (`cpu/encode.cpp` append_step: the formats `quantize_at`'s kernel codes); elsewhere the
+    reference's steps through the dispatched `undo_rope_into` and `quantize_at` (a Triton launch each on GPUs). The
+    same bytes (tested)."""
+    served = _encodes(fmt, value.shape[-1], CPU_QUANTIZED_KINDS) and _rows_contiguous(values)
+    compiled = _cpu_extension(value.device) if served and key.shape[-1] % 2 == 0 else None
+    if compiled is None:
+        return reference.append_token(key, value, position_ids, positions, freqs, order, counts, tail, row, sinks,
+                                      values, fmt, search_scale, rotation, undo_rope_into, quantize_at)  # fmt: skip
+    from .cpu.encode import append_token as kernel
+
+    kernel(key, value, position_ids, positions, freqs, order, counts, tail, row, sinks, values, fmt, search_scale,
+           rotation, compiled)  # fmt: skip
+
+
+def adaptive_step(
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tail: torch.Tensor,
+    values: QuantizedTensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    *,
+    held: int,
+    coded: int,
+    pad: int,
+    rotation: int,
+    n_queries: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """A decoding step's attention over a preallocated `DeltaKVCache` layer past its sinks, read from its buffers
+    whole (`groups`: planes, depths, low, step, `coded` of them coded; `tail`; `values`; `held` tokens, `pad` slots
+    before the stream in group 0) in one C++ call on the CPU (`cpu/stream_attention.cpp` adaptive_step: the layouts
+    built from the buffers, not from Python objects): `stream_attention` over the `AdaptiveStream` and `PlainStream`
+    of those tokens, the same floats (tested). `query` `[batch, kv_heads, rows, dim]` (rows: the query heads of a kv
+    head times `n_queries` positions), `mask` bool `[batch, n_queries, max_cache_len]` (rows contiguous; None:
+    causal). Returns fp32 `[batch, kv_heads, rows, dim]`, or None where the kernel does not serve (another device, head
+    dimension or format; `HF_DELTAKV_KERNELS`): the caller then reads the layouts through `stream_attention`."""
+    dim = query.shape[-1]
+    if dim not in CPU_HEAD_DIMS or sink_values.shape[-1] != dim or dim % values.fmt.block_size:
+        return None
+    compiled = _cpu_extension(query.device)
+    if compiled is None or (mask is not None and mask.stride(-1) != 1):
+        return None
+    from .cpu.stream_attention import adaptive_step as kernel
+
+    options = dict(held=held, coded=coded, pad=pad, rotation=rotation, n_queries=n_queries, scale=scale)
+    return kernel(query, mask, sink_keys, sink_values, groups, tail, values, positions, freqs, order, **options,
+                  extension=compiled)  # fmt: skip
 
 
 def _rows_contiguous(target: QuantizedTensor) -> bool:

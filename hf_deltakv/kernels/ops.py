@@ -169,20 +169,19 @@ def stream_append(
     group starts `pad` slots early), and the value quantized (`v_format`, scale searched with `search_scale`,
     Hadamard-rotated by blocks of `rotation`, 0: not) into its row of the values' storage `[batch, kv_heads,
     capacity, ...]`. `positions` int32 `[batch, max_cache_len]` records the position; `counts[TOKENS]` advances."""
-    from . import quantize_at, undo_rope_into
+    from . import append_token
 
     held, coded = counts.tolist()[:2]
     sinks = sink_keys.shape[2]
-    positions[:, held] = held if position_ids is None else position_ids[:, 0]
     if held < sinks:
+        positions[:, held] = held if position_ids is None else position_ids[:, 0]
         to_sinks(key, value, sink_keys, sink_values, held)
-    else:
-        token = held - sinks
-        ids = positions[:, held : held + 1] if freqs is not None else None
-        undo_rope_into(key, ids, freqs, order, tail, _tail_row(token, coded, group, pad))
-        values = _values(v_codes, v_scales, v_mins, v_format, value.shape[-1])
-        quantize_at(value, v_format, search_scale, values, token, rotation)
-    counts[TOKENS] += 1
+        counts[TOKENS] += 1
+        return
+    values = _values(v_codes, v_scales, v_mins, v_format, value.shape[-1])
+    row = _tail_row(held - sinks, coded, group, pad)
+    append_token(key, value, position_ids, positions, freqs, order, counts, tail, row, sinks, values, v_format,
+                 search_scale, rotation)  # fmt: skip
 
 
 @fake
@@ -228,9 +227,10 @@ def adaptive_attention(
     `low`, `step` `[batch, kv_heads, groups, ...]`, then attention over the sinks, the coded groups, the raw tail and
     the values, read from the codes (`kernels.stream_attention`), under `mask` bool `[batch, n, max_cache_len]`
     (None: causal). Returns fp32 `[batch, heads, n, value_dim]`."""
-    from . import add_query_energy, code_groups
+    from . import adaptive_step, add_query_energy, code_groups
 
-    held, coded, observed, summed = counts.tolist()
+    state = counts.numpy()  # (the host counters, read and written without an op each)
+    held, coded, observed, summed = state.tolist()
     dim = query.shape[-1]
     sinks, kv_heads, value_dim = sink_keys.shape[2], sink_keys.shape[1], sink_values.shape[-1]
     group = planes.shape[-1] * 8
@@ -250,9 +250,17 @@ def adaptive_attention(
         if observed % group == 0 and observed // group >= coded + (sinks - pad) // group:  # the next group's sum
             before.copy_(new_energy)
             summed = observed
-    counts.copy_(torch.tensor([held, coded, observed, summed]))
+    state[:] = (held, coded, observed, summed)
     if not stream:  # sinks only (a prompt shorter than the sinks)
         return _attend(query, mask, sink_keys, sink_values, None, None, positions, freqs, order, held, scale)
+    batch, heads, n, _ = query.shape
+    rows = query.unflatten(1, (kv_heads, heads // kv_heads)).flatten(2, 3)  # [batch, kv_heads, group * n, dim]
+    values = _values(v_codes, v_scales, v_mins, v_format, value_dim)
+    out = adaptive_step(rows, mask, sink_keys, sink_values,
+                        (planes, depths, low, step), tail, values, positions, freqs, order, held=held, coded=coded,
+                        pad=pad, rotation=rotation, n_queries=n, scale=scale)  # fmt: skip
+    if out is not None:
+        return out.reshape(batch, heads, n, value_dim)
     tokens = coded * group - pad if coded else 0
     keys = AdaptiveStream(
         planes=planes[:, :, :coded] if coded else None,

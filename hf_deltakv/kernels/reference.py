@@ -258,6 +258,39 @@ def quantize_at(
     write_rows(target, quantize(rotate(x) if rotation else x.float(), fmt, search_scale), at)
 
 
+def append_token(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    tail: torch.Tensor,
+    row: int,
+    sinks: int,
+    values: QuantizedTensor,
+    fmt: str,
+    search_scale: bool,
+    rotation: int,
+    undo_into=undo_rope_into,
+    quantize_into=quantize_at,
+) -> None:
+    """A decoding step's token (`key` after RoPE and `value` `[batch, heads, 1, dim]`, at `position_ids` int `[batch,
+    1]`; None: the count of tokens held) of a preallocated `DeltaKVCache` layer past its `sinks`, in place: the count
+    held (`counts[0]`, int64 on the host) is its slot, where `positions` int32 `[batch, max_cache_len]` records the
+    position; the key turned back by its RoPE (`freqs` float64, `order`; None: as given) into row `row` of the raw
+    `tail` (`undo_rope_into`, or a kernel of its signature as `undo_into`), the value quantized (`fmt`,
+    `search_scale`, Hadamard-rotated by blocks of `rotation`) into row `held - sinks` of `values` (`quantize_at`, or
+    `quantize_into`); then `counts[0]` advances."""
+    held = int(counts[0])
+    positions[:, held] = held if position_ids is None else position_ids[:, 0]
+    ids = positions[:, held : held + 1] if freqs is not None else None
+    undo_into(key, ids, freqs, order, tail, row)
+    quantize_into(value, fmt, search_scale, values, held - sinks, rotation)
+    counts[0] += 1
+
+
 def write_rows(target: QuantizedTensor | torch.Tensor, new: QuantizedTensor | torch.Tensor, at: int) -> None:
     """Tokens `new` (packed, or a tensor) written into `target`'s sequence rows `at:at + n` (`[batch, heads, rows,
     ...]`, in place)."""

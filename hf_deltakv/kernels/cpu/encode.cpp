@@ -359,6 +359,53 @@ at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at
   return out;
 }
 
+// A decoding step's token of a StaticDeltaKVCache layer past its sinks, in place (reference.append_token's steps, one
+// call): `counts[0]` (int64, the tokens held) gives the slot; `position` int64 [B] (or empty: the count held) is
+// recorded at it in `positions` int32 [B, max_cache_len]; the key [B, H, 1, D] (any float dtype), turned back by its
+// RoPE (undo_rope with `freqs` float64 [D / 2] and `order`; both empty: as given), saturated to fp16 (NaN kept) into row
+// `row` of the raw `tail` fp16 [B, H, rows, D]; the value [B, H, 1, D] quantized (quantize_rows_at's arguments) into
+// row `held - sinks` of its storage; then counts[0] advances.
+void append_step(at::Tensor key, at::Tensor value, at::Tensor position, at::Tensor positions, at::Tensor freqs,
+                 at::Tensor order, at::Tensor counts, at::Tensor tail, int64_t row, int64_t sinks, int64_t format,
+                 int64_t bs, std::vector<double> divisors, at::Tensor codes, at::Tensor scales, at::Tensor mins,
+                 int64_t rotation, double rotation_scale, double rotation_limit) {
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.device().is_cpu() && counts.dim() == 1 &&
+                  counts.is_contiguous(), "counts must be int64 on the CPU, contiguous");
+  int64_t* count = counts.data_ptr<int64_t>();
+  const int64_t held = count[0];
+  const int64_t batch = key.size(0), heads = key.size(1), dim = key.size(3);
+  TORCH_CHECK(key.dim() == 4 && key.size(2) == 1 && value.dim() == 4 && value.size(2) == 1,
+              "one token: key and value [B, H, 1, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.size(0) == batch &&
+                  positions.stride(1) == 1 && sinks <= held && held < positions.size(1),
+              "positions must be int32 [B, max_cache_len] with room for the token after the sinks");
+  TORCH_CHECK(tail.scalar_type() == at::kHalf && tail.dim() == 4 && tail.size(0) == batch && tail.size(1) == heads &&
+                  tail.size(3) == dim && tail.stride(3) == 1 && 0 <= row && row < tail.size(2),
+              "tail must be fp16 [B, H, rows, D] with row ", row);
+  TORCH_CHECK(!position.numel() || (position.scalar_type() == at::kLong && position.numel() == batch),
+              "position must be int64 [B] or empty");
+  const at::Tensor given = position.numel() ? position.contiguous() : position;
+  int32_t* slot = positions.data_ptr<int32_t>() + held;
+  for (int64_t b = 0; b < batch; ++b)
+    slot[b * positions.stride(0)] = static_cast<int32_t>(given.numel() ? given.data_ptr<int64_t>()[b] : held);
+  at::Tensor k = key.to(at::kFloat);
+  if (freqs.numel()) k = undo_rope(k, positions.narrow(1, held, 1), freqs, order);
+  k = k.contiguous();
+  const float* pk = k.data_ptr<float>();
+  at::Half* pt = tail.data_ptr<at::Half>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = pk + (b * heads + h) * dim;
+      at::Half* dst = pt + b * tail.stride(0) + h * tail.stride(1) + row * tail.stride(2);
+      for (int64_t c = 0; c < dim; ++c)  // quant.saturate_fp16: clamped, then rounded to nearest (NaN stays NaN)
+        dst[c] = at::Half(std::isnan(src[c]) ? src[c] : std::min(std::max(src[c], -FP16_MAX), FP16_MAX));
+    }
+  at::Tensor v = value.to(at::kFloat);
+  quantize_rows_at(v.stride(3) == 1 ? v : v.contiguous(), format, bs, std::move(divisors), codes, scales, mins,
+                   held - sinks, rotation, rotation_scale, rotation_limit);
+  count[0] = held + 1;
+}
+
 // One closed-loop step for rows of x (fp32 [rows, dim]): code x - base, and with `intra` per block the better of that
 // and x - long_term (flag in the scale's lowest bit). Returns {codes, scales, mins or empty, reconstruction}.
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,

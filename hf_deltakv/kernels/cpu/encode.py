@@ -10,6 +10,10 @@ from ...quant.blocks import SCALE_SEARCH
 from ...quant.table import Kind
 from ..hadamard import ROTATION_LIMIT, rotation_scale
 
+EMPTY_LONG = torch.empty(0, dtype=torch.long)
+EMPTY_DOUBLE = torch.empty(0, dtype=torch.float64)
+EMPTY_HALF = torch.empty(0, dtype=torch.float16)
+
 
 def divisors(fmt: str, search_scale: bool) -> list[float]:
     """The scale search's divisors as the kernel takes them (quant.quantize: `SCALE_SEARCH` by the format's code
@@ -51,6 +55,34 @@ def quantize_at(
     extension.quantize_rows_at(
         rows, kind, block, divisors(fmt, search_scale), target.codes, target.scales,
         empty if target.mins is None else target.mins, at, rotation, rotation_scale(rotation) if rotation else 1.0,
+        ROTATION_LIMIT,
+    )  # fmt: skip
+
+
+def append_token(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    counts: torch.Tensor,
+    tail: torch.Tensor,
+    row: int,
+    sinks: int,
+    values: QuantizedTensor,
+    fmt: str,
+    search_scale: bool,
+    rotation: int,
+    extension,
+) -> None:
+    """`reference.append_token` in one call of the kernel (`append_step`)."""
+    ids = EMPTY_LONG if position_ids is None else position_ids[:, 0].long()
+    extension.append_step(
+        key, value, ids, positions, EMPTY_DOUBLE if freqs is None else freqs.to(torch.float64),
+        EMPTY_LONG if order is None else order, counts, tail, row, sinks, int(get_format(fmt).kind),
+        get_format(fmt).block_size, divisors(fmt, search_scale), values.codes, values.scales,
+        EMPTY_HALF if values.mins is None else values.mins, rotation, rotation_scale(rotation) if rotation else 1.0,
         ROTATION_LIMIT,
     )  # fmt: skip
 

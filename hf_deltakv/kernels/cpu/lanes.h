@@ -43,6 +43,7 @@ inline F pow2(F k) {
   return _mm512_castsi512_ps(e);
 }
 inline F keep(M m, F x) { return _mm512_maskz_mov_ps(m, x); }  // x where m, else 0
+inline F select(M m, F a, F b) { return _mm512_mask_mov_ps(b, m, a); }  // a where m, else b
 inline M nonzero_bytes(const uint8_t* flags) {  // lane j: flags[j] != 0
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(flags)));
   return _mm512_test_epi32_mask(v, v);
@@ -78,6 +79,7 @@ inline F pow2(F k) {
   return _mm256_castsi256_ps(e);
 }
 inline F keep(M m, F x) { return _mm256_and_ps(m, x); }
+inline F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
 inline M nonzero_bytes(const uint8_t* flags) {
   long long bytes;
   std::memcpy(&bytes, flags, sizeof bytes);
@@ -135,6 +137,7 @@ inline F pow2(F k) {
   return {out};
 }
 inline F keep(M m, F x) { return {m ? x.v : 0.f}; }
+inline F select(M m, F a, F b) { return {m ? a.v : b.v}; }
 inline M nonzero_bytes(const uint8_t* flags) { return *flags != 0; }
 inline M not_equal(F a, F b) { return a.v != b.v; }
 inline M greater(F a, F b) { return a.v > b.v; }

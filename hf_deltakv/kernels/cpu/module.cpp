@@ -20,6 +20,15 @@ void quantize_rows_at(at::Tensor x, int64_t format, int64_t bs, std::vector<doub
                       at::Tensor scales, at::Tensor mins, int64_t at, int64_t rotation, double rotation_scale,
                       double rotation_limit);
 at::Tensor undo_rope(at::Tensor keys, at::Tensor positions, at::Tensor freqs, at::Tensor order);
+void append_step(at::Tensor key, at::Tensor value, at::Tensor position, at::Tensor positions, at::Tensor freqs,
+                 at::Tensor order, at::Tensor counts, at::Tensor tail, int64_t row, int64_t sinks, int64_t format,
+                 int64_t bs, std::vector<double> divisors, at::Tensor codes, at::Tensor scales, at::Tensor mins,
+                 int64_t rotation, double rotation_scale, double rotation_limit);
+at::Tensor adaptive_step(at::Tensor query, at::Tensor sink_keys, at::Tensor sink_values, at::Tensor planes,
+                         at::Tensor depths, at::Tensor low, at::Tensor step, at::Tensor tail, at::Tensor v_codes,
+                         at::Tensor v_scales, at::Tensor v_mins, at::Tensor positions, at::Tensor freqs, at::Tensor order,
+                         at::Tensor mask, int64_t held, int64_t groups, int64_t pad, int64_t group, int64_t v_format,
+                         int64_t v_block, int64_t rotation, int64_t n_queries, double scale, int64_t split);
 std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tensor long_term, int64_t format,
                                            int64_t bs, bool intra);
 
@@ -56,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_into", &decode_into, "a stored stream decoded into a prefill's history (reference.decode_into)");
   m.def("quantize_rows", &quantize_rows, "block quantization of rows (q4_0, q4_1, q8_0 families)");
   m.def("quantize_rows_at", &quantize_rows_at, "quantize_rows of new tokens (rotated first or not), in place in growing storage");
+  m.def("append_step", &append_step, "a decoding step's token into a preallocated DeltaKVCache layer (one call)");
+  m.def("adaptive_step", &adaptive_step, "a decoding step's attention over a preallocated DeltaKVCache layer");
   m.def("undo_rope", &undo_rope, "keys after RoPE turned back to before it (rope.RopeForm.undo)");
   m.def("code_delta_rows", &code_delta_rows, "one closed-loop delta step (inter/intra per block)");
 }

@@ -73,6 +73,22 @@ inline float exp_masked_sum(float* x, int n, float top, Mask mask, One one) {
   return total;
 }
 
+// The largest x[j] with keep[j] != 0 for j < n (NEG_INF if none), a NaN x[j] passed over as std::max(top, x[j])
+// passes it: W lanes at a time (a scalar loop with a condition does not vectorise), then one at a time.
+inline float kept_max(const float* x, const uint8_t* keep, int n) {
+  using namespace lanes;
+  int j = 0;
+  F acc = set1(NEG_INF);
+  for (; j + W <= n; j += W) acc = max(select(nonzero_bytes(keep + j), load(x + j), set1(NEG_INF)), acc);
+  alignas(64) float part[W];
+  store(part, acc);
+  float top = NEG_INF;
+  for (const float v : part) top = std::max(top, v);
+  for (; j < n; ++j)
+    if (keep[j]) top = std::max(top, x[j]);
+  return top;
+}
+
 // exp_masked_sum keeping x[j] where keep[j] != 0.
 inline float exp_kept_sum(float* x, const uint8_t* keep, int n, float top) {
   return exp_masked_sum(

@@ -91,27 +91,37 @@ struct Blocks {
   int64_t format = F16, block = 1, n_blocks = 0, rows_per_head = 0;
 
   Blocks() = default;
-  // `q` is a QuantizedTensor or None; its fields are read by name.
-  Blocks(const py::object& q, int64_t dim) {
-    if (q.is_none()) return;
-    const py::object fmt = q.attr("fmt");
-    format = fmt.attr("kind").cast<int64_t>();
-    block = fmt.attr("block_size").cast<int64_t>();
-    n_blocks = dim / block;
-    codes_t = rows_of(q.attr("codes").cast<at::Tensor>());
+  // Packed rows in `format` (kernels/layout.py: StreamKind's formats) with blocks of `block_`: `codes`, `scales_in`
+  // and `mins_in` ([B, H, rows, ...]; a scale or min tensor that is 1-D and empty: none).
+  Blocks(const at::Tensor& codes_in, const at::Tensor& scales_in, const at::Tensor& mins_in, int64_t format_,
+         int64_t block_, int64_t dim)
+      : format(format_), block(block_), n_blocks(dim / block_) {
+    codes_t = rows_of(codes_in);
     codes = reinterpret_cast<const uint8_t*>(codes_t.data_ptr());
     rows_per_head = codes_t.dim() > 2 ? head_rows(codes_t) : 0;
-    if (!q.attr("scales").is_none()) {
-      scales_t = rows_of(q.attr("scales").cast<at::Tensor>());
+    if (!none(scales_in)) {
+      scales_t = rows_of(scales_in);
       scales = scales_t.data_ptr<at::Half>();
       TORCH_CHECK(head_rows(scales_t) == rows_per_head, "codes and scales of other layouts");
     }
-    if (!q.attr("mins").is_none()) {
-      mins_t = rows_of(q.attr("mins").cast<at::Tensor>());
+    if (!none(mins_in)) {
+      mins_t = rows_of(mins_in);
       mins = mins_t.data_ptr<at::Half>();
       TORCH_CHECK(head_rows(mins_t) == rows_per_head, "codes and mins of other layouts");
     }
   }
+  // `q` is a QuantizedTensor or None; its fields are read by name.
+  explicit Blocks(const py::object& q, int64_t dim) {
+    if (q.is_none()) return;
+    const py::object fmt = q.attr("fmt");
+    const at::Tensor empty;
+    *this = Blocks(q.attr("codes").cast<at::Tensor>(),
+                   q.attr("scales").is_none() ? empty : q.attr("scales").cast<at::Tensor>(),
+                   q.attr("mins").is_none() ? empty : q.attr("mins").cast<at::Tensor>(),
+                   fmt.attr("kind").cast<int64_t>(), fmt.attr("block_size").cast<int64_t>(), dim);
+  }
+
+  static bool none(const at::Tensor& t) { return !t.defined() || (t.dim() == 1 && t.numel() == 0); }
 
   // `t` [B, H, rows, ...] as the row loops read it: contiguous, or the leading rows of a contiguous buffer with
   // room for more (appended storage), read in place; anything else is copied.
@@ -206,6 +216,21 @@ struct Blocks {
   template <int BS>
   const at::Half* q4(const uint8_t* c, const at::Half* s, const at::Half* m, float* out) const {
     constexpr int HALF = BS / 2;
+#if defined(__AVX512F__)
+    if constexpr (BS == 32) {  // 16 bytes: low nibbles are elements 0-15, high nibbles 16-31 (as the AVX2 branch)
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const __m512 scale = _mm512_set1_ps(static_cast<float>(s[b]));
+        const __m512 offset = m ? _mm512_set1_ps(static_cast<float>(m[b])) : _mm512_set1_ps(-8.0f * static_cast<float>(s[b]));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * HALF));
+        const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        _mm512_storeu_ps(out + b * BS, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), scale, offset));
+        _mm512_storeu_ps(out + b * BS + HALF,
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), scale, offset));
+      }
+      return s;
+    }
+#endif
 #if defined(__AVX2__)
     if constexpr (BS == 32) {  // 16 bytes: low nibbles are elements 0-15, high nibbles 16-31
       const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -298,6 +323,49 @@ struct Stream {
   const at::Half* step = nullptr;
   const at::Half* tail = nullptr;
 
+  Stream() = default;
+
+  // A PlainStream of `length` tokens (rows of `blocks`), Hadamard-rotated by blocks of `rotation_` (0: not).
+  static Stream plain_of(Blocks blocks, int64_t dim, int64_t length, int64_t rotation) {
+    Stream s;
+    s.dim = dim, s.length = length, s.rotation = rotation, s.plain = std::move(blocks);
+    return s;
+  }
+
+  // An AdaptiveStream of `length` tokens read from storage with room: the first `groups` coded groups of `planes`,
+  // `depths`, `low_in`, `step_in` ([B, H, capacity groups, ...]) and the raw tail after them in `tail_in` ([B, H, rows,
+  // D] fp16, the open group's rows), the stream's first group starting `pad_` slots early.
+  static Stream adaptive_of(const at::Tensor& planes_in, const at::Tensor& depths_in, const at::Tensor& low_in,
+                            const at::Tensor& step_in, const at::Tensor& tail_in, int64_t group_, int64_t pad_,
+                            int64_t groups, int64_t dim, int64_t length) {
+    Stream s;
+    s.dim = dim, s.length = length, s.adaptive = true, s.group = group_, s.pad = pad_;
+    s.tail_t = tail_in.contiguous();
+    s.tail = s.tail_t.data_ptr<at::Half>();
+    s.tail_rows = s.tail_t.size(2);
+    if (groups) s.set_groups(planes_in, depths_in, low_in, step_in, groups);
+    s.coded = groups ? groups * group_ - pad_ : 0;
+    TORCH_CHECK(length >= s.coded && length - s.coded <= s.tail_rows, "the raw tail holds ", s.tail_rows,
+                " rows, the stream ", length - s.coded, " past its coded groups");
+    return s;
+  }
+
+  void set_groups(const at::Tensor& planes_in, const at::Tensor& depths_in, const at::Tensor& low_in,
+                  const at::Tensor& step_in, int64_t groups) {
+    planes_t = Blocks::rows_of(planes_in), depths_t = Blocks::rows_of(depths_in);
+    low_t = Blocks::rows_of(low_in), step_t = Blocks::rows_of(step_in);
+    planes_head = Blocks::head_rows(planes_t), depths_head = Blocks::head_rows(depths_t);
+    low_head = Blocks::head_rows(low_t), step_head = Blocks::head_rows(step_t);
+    planes = planes_t.data_ptr<uint8_t>();
+    depths = depths_t.data_ptr<uint8_t>();
+    low = low_t.data_ptr<at::Half>();
+    step = step_t.data_ptr<at::Half>();
+    n_groups = groups;
+    planes_per_group = planes_t.size(3);
+    TORCH_CHECK(groups <= planes_t.size(2) && groups <= depths_t.size(2) && groups <= low_t.size(2) &&
+                    groups <= step_t.size(2), "more groups coded than the storage holds");
+  }
+
   Stream(const py::object& layout, int64_t dim_) : dim(dim_) {
     const int64_t kind = layout.attr("kind").cast<int64_t>();
     rotation = layout.attr("rotation").cast<int64_t>();
@@ -315,18 +383,9 @@ struct Stream {
       tail = tail_t.data_ptr<at::Half>();
       tail_rows = tail_t.size(2);
       if (!layout.attr("planes").is_none()) {
-        planes_t = Blocks::rows_of(layout.attr("planes").cast<at::Tensor>());
-        depths_t = Blocks::rows_of(layout.attr("bits").cast<at::Tensor>());
-        low_t = Blocks::rows_of(layout.attr("low").cast<at::Tensor>());
-        step_t = Blocks::rows_of(layout.attr("step").cast<at::Tensor>());
-        planes_head = Blocks::head_rows(planes_t), depths_head = Blocks::head_rows(depths_t);
-        low_head = Blocks::head_rows(low_t), step_head = Blocks::head_rows(step_t);
-        planes = planes_t.data_ptr<uint8_t>();
-        depths = depths_t.data_ptr<uint8_t>();
-        low = low_t.data_ptr<at::Half>();
-        step = step_t.data_ptr<at::Half>();
-        n_groups = planes_t.size(2);
-        planes_per_group = planes_t.size(3);
+        const at::Tensor p = layout.attr("planes").cast<at::Tensor>();
+        set_groups(p, layout.attr("bits").cast<at::Tensor>(), layout.attr("low").cast<at::Tensor>(),
+                   layout.attr("step").cast<at::Tensor>(), p.size(2));
       }
       coded = n_groups ? n_groups * group - pad : 0;
       return;
@@ -704,7 +763,8 @@ struct Args {
   int64_t positions_stride = 0;
   const uint8_t* mask;
   const uint8_t* mask_base;  // mask of all tokens, sinks first
-  int64_t heads, rows, n_queries, causal_offset, length, split, splits, sinks, mask_length;
+  int64_t heads, rows, n_queries, causal_offset, length, split, splits, sinks;
+  int64_t mask_batch, mask_row;  // the mask's strides between batch rows and query rows
   int64_t heads_total = 0;  // batch * heads: items run split-major
   float scale, key_scale;  // key_scale: scale times the Hadamard normalisation of the keys
   float *part_acc, *part_max, *part_sum;
@@ -715,13 +775,19 @@ struct Args {
 template <int D>
 inline void rope_tile(float* kt, const float* cos_table, const float* sin_table, int64_t stride, int n_tok) {
   constexpr int HALF = D / 2;
+  using namespace hfd::lanes;
   for (int c = 0; c < HALF; ++c) {
     float* lo = kt + c * TILE;
     float* hi = kt + (c + HALF) * TILE;
     const float* cs = cos_table + c * stride;
     const float* sn = sin_table + c * stride;
-#pragma omp simd
-    for (int j = 0; j < n_tok; ++j) {
+    int j = 0;
+    for (; j + W <= n_tok; j += W) {  // (the compiler's own vectorisation of the loop below takes half the width)
+      const F x = load(lo + j), y = load(hi + j), cj = load(cs + j), sj = load(sn + j);
+      store(lo + j, sub(mul(x, cj), mul(y, sj)));
+      store(hi + j, add(mul(y, cj), mul(x, sj)));
+    }
+    for (; j < n_tok; ++j) {
       const float x = lo[j], y = hi[j];
       lo[j] = x * cs[j] - y * sn[j];
       hi[j] = y * cs[j] + x * sn[j];
@@ -793,17 +859,14 @@ void run_item(const Args& a, const Stream& keys, const Stream& values, int64_t i
       float* sr = scores.data() + r * TILE;
       uint8_t* ok = allowed.data() + r * TILE;
       if (a.mask) {
-        const uint8_t* row_mask = a.mask + (b * a.n_queries + i) * a.mask_length + a.sinks + t0;
+        const uint8_t* row_mask = a.mask + b * a.mask_batch + i * a.mask_row + a.sinks + t0;
         for (int j = 0; j < n_tok; ++j) ok[j] = row_mask[j] != 0;
       } else {  // causal: a prefix of the tile
         const int64_t visible = std::clamp<int64_t>(a.causal_offset + i - a.sinks - t0 + 1, 0, n_tok);
         std::fill(ok, ok + visible, uint8_t{1});
         std::fill(ok + visible, ok + n_tok, uint8_t{0});
       }
-      float tile_max = NEG_INF;
-#pragma omp simd reduction(max : tile_max)
-      for (int j = 0; j < n_tok; ++j) tile_max = std::max(tile_max, ok[j] ? sr[j] : NEG_INF);
-      const float new_max = std::max(m[r], tile_max);
+      const float new_max = std::max(m[r], hfd::kept_max(sr, ok, n_tok));
       if (new_max == NEG_INF) {
         for (int j = 0; j < n_tok; ++j) sr[j] = 0.f;
         continue;
@@ -971,13 +1034,15 @@ void decode_into(py::object layout, at::Tensor out, at::Tensor positions, at::Te
 // [B, L] (rows contiguous) and freqs float64 [D / 2] of the stored keys' RoPE, or both empty; mask [B, n, S + L] uint8
 // or empty (then causal: token u visible to query i when u <= causal_offset + i, u counting the sinks). A row that
 // may attend nothing gets zeros.
-at::Tensor stream_attention(
-    at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout, py::object value_layout,
-    at::Tensor positions, at::Tensor freqs, at::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
-    int64_t split) {
+namespace {
+
+// stream_attention over streams read already; `mask` uint8 [B, n, >= S + L] (rows contiguous: each row's first
+// S + L entries are read) or empty.
+at::Tensor attend_streams(const at::Tensor& query, const at::Tensor& sink_k, const at::Tensor& sink_v,
+                          const Stream& keys, const Stream& values, const at::Tensor& positions, const at::Tensor& freqs,
+                          const at::Tensor& mask, int64_t n_queries, int64_t causal_offset, double scale, int64_t split) {
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t sinks = sink_k.size(2);
-  const Stream keys(key_layout, dim), values(value_layout, dim);
   const int64_t length = keys.length;
   TORCH_CHECK(values.length == length, "keys and values hold different numbers of tokens");
   static std::atomic<int64_t> calls{0};
@@ -991,7 +1056,13 @@ at::Tensor stream_attention(
   a.rope_steps = &rope_steps;
   a.mask_base = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
   a.mask = a.mask_base;
-  a.mask_length = sinks + length;
+  a.mask_batch = a.mask_row = 0;
+  if (a.mask_base) {
+    TORCH_CHECK(mask.scalar_type() == at::kByte && mask.dim() == 3 && mask.size(0) == batch &&
+                    mask.size(1) == n_queries && mask.size(2) >= sinks + length && mask.stride(2) == 1,
+                "mask must be uint8 [batch, n_queries, >= sinks + tokens] with contiguous rows");
+    a.mask_batch = mask.stride(0), a.mask_row = mask.stride(1);
+  }
   a.heads = heads, a.rows = rows, a.n_queries = n_queries, a.causal_offset = causal_offset, a.length = length;
   a.heads_total = batch * heads;
   a.sinks = sinks;
@@ -1032,7 +1103,7 @@ at::Tensor stream_attention(
       const float* qr = a.q + (bh * rows + r) * dim;
       float top = NEG_INF;
       for (int64_t u = 0; u < sinks; ++u) {
-        const bool ok = a.mask_base ? a.mask_base[(b * n_queries + i) * a.mask_length + u] != 0 : u <= causal_offset + i;
+        const bool ok = a.mask_base ? a.mask_base[b * a.mask_batch + i * a.mask_row + u] != 0 : u <= causal_offset + i;
         float dot = 0.f;
         for (int64_t c = 0; c < dim; ++c) dot += qr[c] * sk[(bh * sinks + u) * dim + c];
         sink_scores[u] = ok ? dot * a.scale : NEG_INF;
@@ -1067,4 +1138,44 @@ at::Tensor stream_attention(
     }
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor stream_attention(
+    at::Tensor query, at::Tensor sink_k, at::Tensor sink_v, py::object key_layout, py::object value_layout,
+    at::Tensor positions, at::Tensor freqs, at::Tensor mask, int64_t n_queries, int64_t causal_offset, double scale,
+    int64_t split) {
+  const int64_t dim = query.size(3);
+  const Stream keys(key_layout, dim), values(value_layout, dim);
+  return attend_streams(query, sink_k, sink_v, keys, values, positions, freqs, mask, n_queries, causal_offset, scale,
+                        split);
+}
+
+// A decoding step of a StaticDeltaKVCache layer read from its preallocated storage (kernels/ops.py
+// adaptive_attention, after its bookkeeping): `query` [B, Hkv, R, D] (any float dtype: rows r = g * n + i, the
+// model's channel order), the layer's raw sinks [B, Hkv, >= S, D] (the first min(held, S) read), its key groups
+// (`groups` of them coded, `pad`: slots before the stream in group 0) and raw tail, its values (packed rows in
+// `v_format` with blocks of `v_block`, Hadamard-rotated by blocks of `rotation`; scales, mins: 1-D empty when none),
+// `positions` int32 [B, max_cache_len] (RoPE re-applied from those of tokens S .. held - 1 with `freqs` float64
+// [D / 2]; both empty: none), `order` int64 [D] (canonical channel c is the model's order[c]) or empty, `mask` bool
+// [B, n, max_cache_len] (rows contiguous) or empty: causal over the `held` tokens. Returns fp32 [B, Hkv, R, D].
+at::Tensor adaptive_step(at::Tensor query, at::Tensor sink_keys, at::Tensor sink_values, at::Tensor planes,
+                         at::Tensor depths, at::Tensor low, at::Tensor step, at::Tensor tail, at::Tensor v_codes,
+                         at::Tensor v_scales, at::Tensor v_mins, at::Tensor positions, at::Tensor freqs, at::Tensor order,
+                         at::Tensor mask, int64_t held, int64_t groups, int64_t pad, int64_t group, int64_t v_format,
+                         int64_t v_block, int64_t rotation, int64_t n_queries, double scale, int64_t split) {
+  const int64_t dim = query.size(3), sinks = sink_keys.size(2), length = held - sinks;
+  TORCH_CHECK(length > 0 && query.dim() == 4, "a step over the stream after the sinks, a query [B, Hkv, R, D]");
+  const Stream keys = Stream::adaptive_of(planes, depths, low, step, tail, group, pad, groups, dim, length);
+  const Stream values = Stream::plain_of(Blocks(v_codes, v_scales, v_mins, v_format, v_block, dim), dim, length,
+                                         rotation);
+  at::Tensor q = query.to(at::kFloat), sink_k = sink_keys.to(at::kFloat);
+  if (order.numel()) {  // stored keys are canonical: so are the queries and sinks they meet
+    q = q.index_select(3, order), sink_k = sink_k.index_select(3, order);
+  }
+  const at::Tensor rope_positions = freqs.numel() ? positions.narrow(1, sinks, length) : freqs;  // empty: no RoPE
+  const at::Tensor bytes = mask.numel() ? mask.view(at::kByte) : mask;
+  return attend_streams(q.contiguous(), sink_k.contiguous(), sink_values.to(at::kFloat).contiguous(), keys, values,
+                        rope_positions, freqs, bytes, n_queries, held - n_queries, scale, split);
 }

@@ -7,12 +7,16 @@ import math
 
 import torch
 
+from ...quant import QuantizedTensor
 from ..hadamard import rotation_scale
 from ..layout import AdaptiveStream, ChannelStream, DeltaStream, PlainStream, StreamLayout
 
 EMPTY_FLOAT = torch.empty(0)
 EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
 EMPTY_LONG = torch.empty(0, dtype=torch.long)
+EMPTY_DOUBLE = torch.empty(0, dtype=torch.float64)
+EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
+EMPTY_HALF = torch.empty(0, dtype=torch.float16)
 TOKENS_PER_ITEM = 256  # tokens per work item: items are spread over the threads, then merged
 TILE = 64  # tokens per tile of the kernel (stream_attention.cpp), the largest group it decodes at once
 HEAD_DIMS = (32, 64, 128, 256)  # the head dimensions the kernel is compiled for (its `switch (dim)`)
@@ -78,6 +82,41 @@ def stream_attention(
         float(scale),
         split,
     )
+
+
+def adaptive_step(
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tail: torch.Tensor,
+    values: QuantizedTensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    *,
+    held: int,
+    coded: int,
+    pad: int,
+    rotation: int,
+    n_queries: int,
+    scale: float,
+    extension,
+) -> torch.Tensor:
+    """`kernels.adaptive_step` by the compiled kernel: `query` `[batch, kv_heads, rows, dim]`, `mask` bool `[batch,
+    n_queries, max_cache_len]` with contiguous rows (or None), the storage's buffers whole (`groups`: planes, depths,
+    low, step), no layout object."""
+    group = groups[0].shape[-1] * 8
+    split = -(-TOKENS_PER_ITEM // group) * group
+    return extension.adaptive_step(
+        query, sink_keys, sink_values, *groups, tail, values.codes,
+        EMPTY_HALF if values.scales is None else values.scales, EMPTY_HALF if values.mins is None else values.mins,
+        positions,
+        EMPTY_DOUBLE if freqs is None else freqs, EMPTY_LONG if order is None else order,
+        EMPTY_BOOL if mask is None else mask, held, coded, pad, group, int(values.fmt.kind), values.fmt.block_size,
+        rotation, n_queries, float(scale), split,
+    )  # fmt: skip
 
 
 DECODED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `decode_into` writes
