@@ -114,6 +114,7 @@ CURRENT = (
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
     "compiled_decode_residual.json",
+    "ab_decode.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -529,6 +530,19 @@ def results() -> None:
         compiled = _load(name)
         if compiled:
             compiled_tables(name, what, compiled)
+    ab = _load("ab_decode.json")
+    if ab:
+        from ab_decode import markdown as ab_table
+
+        cfg = ab["config"]
+        print(
+            "\n## A change's decode speed, its revisions run alternately (`ab_decode.py`, `ab_decode.json`)\n\n"
+            f"`compiled_decode.py` configurations at base {cfg['base'][:7]} and head {cfg['head'][:7]}"
+            + (" (with changes not yet committed then)" if cfg["head_has_uncommitted_changes"] else "")
+            + f", {cfg['pairs']} runs of each alternated, {cfg['rounds']} timed rounds a run, medians.\n\n"
+            + machine_line(cfg).removesuffix("\n")
+        )
+        print(ab_table(ab["rows"]))
     gpu_path_tables()
     triton_table()
     gpu_prediction_table()

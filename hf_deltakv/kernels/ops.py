@@ -168,7 +168,8 @@ def stream_append(
     as given) into the raw `tail` fp16 `[batch, kv_heads, group, dim]` of the open key group (the stream's first
     group starts `pad` slots early), and the value quantized (`v_format`, scale searched with `search_scale`,
     Hadamard-rotated by blocks of `rotation`, 0: not) into its row of the values' storage `[batch, kv_heads,
-    capacity, ...]`. `positions` int32 `[batch, max_cache_len]` records the position; `counts[TOKENS]` advances."""
+    capacity, ...]`. `positions` int32 `[batch, max_cache_len]` records the position; `counts[TOKENS]` advances.
+    Past the sinks: `kernels.append_token` (one C++ call on the CPU)."""
     from . import append_token
 
     held, coded = counts.tolist()[:2]
@@ -225,8 +226,9 @@ def adaptive_attention(
     `energy` (with `query_weights`), the key group the newest token completed coded (depths spending `total_bits` per
     token as the energies summed in `before` weigh the channels; `clip_range`) into its rows of `planes`, `depths`,
     `low`, `step` `[batch, kv_heads, groups, ...]`, then attention over the sinks, the coded groups, the raw tail and
-    the values, read from the codes (`kernels.stream_attention`), under `mask` bool `[batch, n, max_cache_len]`
-    (None: causal). Returns fp32 `[batch, heads, n, value_dim]`."""
+    the values, read from the codes (`kernels.adaptive_step` from the buffers: one C++ call on the CPU; elsewhere
+    `kernels.stream_attention` over their layouts), under `mask` bool `[batch, n, max_cache_len]` (None: causal).
+    Returns fp32 `[batch, heads, n, value_dim]`."""
     from . import adaptive_step, add_query_energy, code_groups
 
     state = counts.numpy()  # (the host counters, read and written without an op each)
