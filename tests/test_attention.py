@@ -459,7 +459,7 @@ def test_adaptive_step_kernel_is_stream_attention_over_the_layouts(key, case):
 
 def test_adaptive_step_kernel_declines_what_it_does_not_serve(monkeypatch):
     """None (the caller reads the layouts through `stream_attention`) where the C++ step does not run: the reference
-    forced, a head dimension the kernel is not compiled for."""
+    forced, a head dimension the kernel is not compiled for; a clear error for more tokens than the storage holds."""
     keys = _stream(CODECS["adaptive-32"], 40, 1, 2, 64, seed=1).layout()
     values = _stream(CODECS["q4_0"], 40, 1, 2, 64, seed=2).layout()
     groups = (keys.planes, keys.bits, keys.low, keys.step)
@@ -467,6 +467,8 @@ def test_adaptive_step_kernel_declines_what_it_does_not_serve(monkeypatch):
             values.blocks, torch.zeros(1, 64, dtype=torch.int32), None, None)  # fmt: skip
     options = dict(held=43, coded=keys.planes.shape[2], pad=keys.offset, rotation=0, n_queries=1, scale=0.125)
     assert kernels.adaptive_step(*args, **options) is not None
+    with pytest.raises(RuntimeError, match="tokens after the sinks"):  # more tokens than the storage holds
+        kernels.adaptive_step(*args, **{**options, "held": 44})
     assert kernels.adaptive_step(torch.randn(1, 2, 3, 48), *args[1:], **options) is None
     monkeypatch.setenv("HF_DELTAKV_KERNELS", "reference")
     assert kernels.adaptive_step(*args, **options) is None

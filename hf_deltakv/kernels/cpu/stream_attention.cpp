@@ -325,7 +325,7 @@ struct Stream {
 
   Stream() = default;
 
-  // A PlainStream of `length` tokens (rows of `blocks`), Hadamard-rotated by blocks of `rotation_` (0: not).
+  // A PlainStream of `length` tokens (rows of `blocks`), Hadamard-rotated by blocks of `rotation` (0: not).
   static Stream plain_of(Blocks blocks, int64_t dim, int64_t length, int64_t rotation) {
     Stream s;
     s.dim = dim, s.length = length, s.rotation = rotation, s.plain = std::move(blocks);
@@ -781,16 +781,21 @@ inline void rope_tile(float* kt, const float* cos_table, const float* sin_table,
     float* hi = kt + (c + HALF) * TILE;
     const float* cs = cos_table + c * stride;
     const float* sn = sin_table + c * stride;
+    const auto turn = [](float* l, float* h, const float* c_, const float* s_) {
+      const F x = load(l), y = load(h), cj = load(c_), sj = load(s_);
+      store(l, sub(mul(x, cj), mul(y, sj)));
+      store(h, add(mul(y, cj), mul(x, sj)));
+    };
     int j = 0;
-    for (; j + W <= n_tok; j += W) {  // (the compiler's own vectorisation of the loop below takes half the width)
-      const F x = load(lo + j), y = load(hi + j), cj = load(cs + j), sj = load(sn + j);
-      store(lo + j, sub(mul(x, cj), mul(y, sj)));
-      store(hi + j, add(mul(y, cj), mul(x, sj)));
-    }
-    for (; j < n_tok; ++j) {
-      const float x = lo[j], y = hi[j];
-      lo[j] = x * cs[j] - y * sn[j];
-      hi[j] = y * cs[j] + x * sn[j];
+    for (; j + W <= n_tok; j += W) turn(lo + j, hi + j, cs + j, sn + j);
+    if (j < n_tok) {  // the last tokens through the same lanes (padded copies): every token rounds alike, wherever
+      // it falls in a tile (a scalar loop would be contracted into other fused multiply-adds)
+      alignas(64) float x[W] = {}, y[W] = {}, c_[W] = {}, s_[W] = {};
+      const int rest = n_tok - j;
+      std::copy(lo + j, lo + n_tok, x), std::copy(hi + j, hi + n_tok, y);
+      std::copy(cs + j, cs + n_tok, c_), std::copy(sn + j, sn + n_tok, s_);
+      turn(x, y, c_, s_);
+      std::copy(x, x + rest, lo + j), std::copy(y, y + rest, hi + j);
     }
   }
 }
@@ -1165,8 +1170,13 @@ at::Tensor adaptive_step(at::Tensor query, at::Tensor sink_keys, at::Tensor sink
                          at::Tensor v_scales, at::Tensor v_mins, at::Tensor positions, at::Tensor freqs, at::Tensor order,
                          at::Tensor mask, int64_t held, int64_t groups, int64_t pad, int64_t group, int64_t v_format,
                          int64_t v_block, int64_t rotation, int64_t n_queries, double scale, int64_t split) {
+  TORCH_CHECK(query.dim() == 4 && sink_keys.dim() == 4 && sink_values.dim() == 4 && v_codes.dim() == 5,
+              "query [B, Hkv, R, D], sinks [B, Hkv, S, D], values' codes [B, Hkv, rows, blocks, bytes]");
   const int64_t dim = query.size(3), sinks = sink_keys.size(2), length = held - sinks;
-  TORCH_CHECK(length > 0 && query.dim() == 4, "a step over the stream after the sinks, a query [B, Hkv, R, D]");
+  for (const at::Tensor* t : {&sink_keys, &sink_values, &tail, &v_codes})
+    TORCH_CHECK(t->size(0) == query.size(0) && t->size(1) == query.size(1), "storage of another batch or kv heads");
+  TORCH_CHECK(length > 0 && length <= v_codes.size(2), "a step over 1 to ", v_codes.size(2),
+              " tokens after the sinks, got ", length);
   const Stream keys = Stream::adaptive_of(planes, depths, low, step, tail, group, pad, groups, dim, length);
   const Stream values = Stream::plain_of(Blocks(v_codes, v_scales, v_mins, v_format, v_block, dim), dim, length,
                                          rotation);
