@@ -9,10 +9,7 @@ from ...quant import QuantizedTensor, get_format
 from ...quant.blocks import SCALE_SEARCH
 from ...quant.table import Kind
 from ..hadamard import ROTATION_LIMIT, rotation_scale
-
-EMPTY_LONG = torch.empty(0, dtype=torch.long)
-EMPTY_DOUBLE = torch.empty(0, dtype=torch.float64)
-EMPTY_HALF = torch.empty(0, dtype=torch.float16)
+from .stream_attention import EMPTY_DOUBLE, EMPTY_HALF, EMPTY_LONG
 
 
 def divisors(fmt: str, search_scale: bool) -> list[float]:
