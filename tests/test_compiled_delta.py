@@ -56,7 +56,7 @@ def test_generate_compiles_once_and_decodes_as_delta_kv_cache(kf, dtype):
     model = tiny_model(dtype=dtype)
     make = lambda: StaticDeltaKVCache(kf=kf, max_cache_len=80, model=model)  # noqa: E731
     expected = generate(model, DeltaKVCache(kf=kf, model=model))
-    eager, compiled = compiles_as_eager(model, make, expected, ("adaptive_attention", "stream_append"))
+    eager, compiled = compiles_as_eager(model, make, expected, ("adaptive_attention_cpu", "stream_append_cpu"))
     held = 9 + NEW - 1
     for layer in compiled.layers:
         tokens, coded, observed, _ = layer.counts.tolist()
@@ -136,6 +136,48 @@ def test_compiled_step_stores_the_bytes_and_attends_as_delta_kv_cache():
     assert layer.counts.tolist()[1] == 3
 
 
+def test_cpu_step_ops_are_the_python_ops_in_one_call(monkeypatch):
+    """On the CPU a decoding step calls `stream_append_cpu` and `adaptive_attention_cpu` (their C++ kernels,
+    `cpu/step_ops.cpp`): a copy of the layer fed the same steps through the Python ops stores the same bytes and
+    counters and attends bit for bit (crossing several key-group codings), and the Python bodies run only in the
+    steps the kernels hand over (tokens into the sinks; a mask whose rows are strided)."""
+    import hf_deltakv.kernels
+
+    model = tiny_model(dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, dim, steps = 2, 4, 2, 32, 30
+    q = torch.randn(batch, heads, 2 + steps, dim, generator=g).bfloat16()
+    k, v = (torch.randn(batch, kv_heads, 2 + steps, dim, generator=g).bfloat16() * 2 for _ in range(2))
+    fast, python = (StaticDeltaKVCache(kf=8, max_cache_len=40, model=model).layers[0] for _ in range(2))
+    for layer in (fast, python):
+        layer.update(k[:, :, :2], v[:, :, :2], position_ids=torch.arange(2)[None])  # (fewer tokens than the sinks)
+    assert fast.append_kernel is not None and fast.attention_kernel is not None
+    python.append_kernel = python.attention_kernel = None
+    calls = []
+    for name in ("append_token", "adaptive_step", "to_sinks"):
+        module = ops if name == "to_sinks" else hf_deltakv.kernels
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    handed = []
+    for t in range(2, 2 + steps):
+        visible = torch.arange(80) <= 2 * t if t == 20 else torch.arange(40) <= t
+        mask = visible.expand(batch, 1, 1, -1)[..., :: 2 if t == 20 else 1]  # (step 20: every other entry of 80)
+        outputs = []
+        for layer in (fast, python):
+            before = len(calls)
+            keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1], position_ids=torch.tensor([[t]]))
+            outputs.append(F.scaled_dot_product_attention(q[:, :, t : t + 1], keys, values, mask, enable_gqa=True))
+            if layer is fast and len(calls) > before:
+                handed.append(t)
+        assert torch.equal(*outputs), t
+        for a, b in zip([*fast.tensors(), fast.counts, fast.positions, fast.energy, fast.before],
+                        [*python.tensors(), python.counts, python.positions, python.energy, python.before],
+                        strict=True):  # fmt: skip
+            assert torch.equal(a, b), t
+    completes = [t for t in range(fast.sinks, 2 + steps) if (t + 1 - fast.sinks + fast.pad) % 8 == 0]  # held: t + 1
+    assert handed == [2, 3, 20] and len(completes) >= 3 and fast.counts[ops.CODED] == len(completes)
+
+
 def test_a_second_prompt_and_a_crop_continue_as_delta_kv_cache():
     """A conversation's next turn after decoding steps (the eager layer given the stored tokens), and a crop."""
     model = tiny_model()
@@ -156,9 +198,10 @@ def test_a_second_prompt_and_a_crop_continue_as_delta_kv_cache():
 
 
 def test_ops_pass_opcheck():
-    """`hf_deltakv::stream_append` and `adaptive_attention`: schema (the mutated arguments), fake implementation and
-    dispatch as `torch.library.opcheck` checks them, on a layer's storage after a prompt (not the AOT-autograd check,
-    which differentiates: decoding is inference; the compiled tests trace the ops through AOT dispatch)."""
+    """`hf_deltakv::stream_append` and `adaptive_attention` (and their `_cpu` forms, the C++ kernels): schema (the
+    mutated arguments), fake implementation and dispatch as `torch.library.opcheck` checks them, on a layer's storage
+    after a prompt (not the AOT-autograd check, which differentiates: decoding is inference; the compiled tests trace
+    the ops through AOT dispatch)."""
     model = tiny_model()
     cache = StaticDeltaKVCache(kf=8, max_cache_len=32, model=model)
     model(prompt(15), cache=cache, use_cache=True)
@@ -171,8 +214,9 @@ def test_ops_pass_opcheck():
     key, value = key[:, : layer.num_heads], value[:, : layer.num_heads]
     options = dict(group=8, pad=layer.pad, v_format=layer.v_format, search_scale=True, rotation=32)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.hf_deltakv.stream_append.default,
-                          (key, value, torch.full((2, 1), 15), *layer_args), options, test_utils=checks)  # fmt: skip
+    for name, kernel in (("stream_append", {}), ("stream_append_cpu", layer.append_kernel)):
+        torch.library.opcheck(getattr(torch.ops.hf_deltakv, name).default, (key, value, torch.full((2, 1), 15),
+                              *layer_args), {**options, **kernel}, test_utils=checks)  # fmt: skip
     query = torch.randn(2, 4, 1, 32, generator=g)
     mask = torch.ones(2, 1, 32, dtype=torch.bool)
     args = (query, mask, layer.sink_keys, layer.sink_values, layer.planes, layer.depths, layer.low, layer.step,
@@ -180,7 +224,9 @@ def test_ops_pass_opcheck():
             layer.energy, layer.before, layer.counts)  # fmt: skip
     options = dict(pad=layer.pad, total_bits=layer.total_bits, clip_range=True, query_weights=True,
                    v_format=layer.v_format, rotation=32, scale=32**-0.5)  # fmt: skip
-    torch.library.opcheck(torch.ops.hf_deltakv.adaptive_attention.default, args, options, test_utils=checks)
+    for name, kernel in (("adaptive_attention", {}), ("adaptive_attention_cpu", layer.attention_kernel)):
+        torch.library.opcheck(getattr(torch.ops.hf_deltakv, name).default, args, {**options, **kernel},
+                              test_utils=checks)  # fmt: skip
 
 
 def test_storage_is_preallocated_and_counted():

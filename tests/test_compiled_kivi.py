@@ -26,7 +26,7 @@ def test_generate_compiles_once_and_decodes_as_kivi(options, dtype):
     model = tiny_model(dtype=dtype)
     make = lambda: StaticKIVIKVCache(**options, max_cache_len=80, model=model)  # noqa: E731
     expected = generate(model, KIVIKVCache(**options, model=model))
-    eager, compiled = compiles_as_eager(model, make, expected, ("channel_attention", "stream_append"))
+    eager, compiled = compiles_as_eager(model, make, expected, ("channel_attention", "stream_append_cpu"))
     held = 9 + NEW - 1
     for layer in compiled.layers:
         tokens, coded = layer.counts.tolist()[:2]

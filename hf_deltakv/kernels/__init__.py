@@ -31,6 +31,8 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
                        (plain, delta streams)      |   decode_attention.py (plain keys + plain values: split, then
                                                    |   the adaptive merge), delta_attention.py (delta keys)
     adaptive_step      cpu/stream_attention.cpp    | - (None: the caller's stream_attention; a step over storage)
+    append_kernel_arguments cpu/step_ops.cpp       | - (None: ops.stream_append's Python body)
+    attention_kernel_arguments cpu/step_ops.cpp    | - (None: ops.adaptive_attention's Python body)
     keep_rows          -                           | triton/kept.py (the evicting caches' new tokens, one launch)
     compact_kept       -                           | triton/kept.py (the kept tokens into new storage, one launch)
     kept_attention     -                           | triton/kept.py (one query per head: split over the slots, merge)
@@ -44,7 +46,9 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
 Compiled decoding calls ops registered with `torch.library` (`ops.py`: tensors and scalars in, a fake
 implementation each): `hf_deltakv::plain_attention` runs `stream_attention` above over plain streams;
 `hf_deltakv::stream_append` (`undo_rope_into`, `quantize_at`) with `hf_deltakv::adaptive_attention`
-(`add_query_energy`, `code_groups`, `stream_attention`) is a decoding step of a `DeltaKVCache` layer, with
+(`add_query_energy`, `code_groups`, `stream_attention`) is a decoding step of a `DeltaKVCache` layer (on the CPU their
+`_cpu` forms: the C++ kernels of `cpu/step_ops.cpp` registered for the ops, whose arguments the two
+`*_kernel_arguments` above give, handing the steps they do not serve to the Python bodies), with
 `hf_deltakv::channel_attention` (`quantize_at`, `stream_attention`) one of a `KIVIKVCache` layer, over storage
 preallocated for `max_cache_len` tokens; `residual.ops` registers the residual cache's two (`latent_append`:
 `write_raw`, `encode_latent_into`; `latent_attention_step`: `latent_stream_attention`, or `dequantize_latent` and
@@ -99,7 +103,9 @@ __all__ = [
     "add_query_energies",
     "add_query_energy",
     "allocate_depths",
+    "append_kernel_arguments",
     "append_token",
+    "attention_kernel_arguments",
     "code_delta",
     "code_groups",
     "compact_kept",
@@ -320,6 +326,55 @@ def adaptive_step(
     options = dict(held=held, coded=coded, pad=pad, rotation=rotation, n_queries=n_queries, scale=scale)
     return kernel(query, mask, sink_keys, sink_values, groups, tail, values, positions, freqs, order, **options,
                   extension=compiled)  # fmt: skip
+
+
+def append_kernel_arguments(device: torch.device, fmt: str, search_scale: bool, rotation: int, key_dim: int,
+                            values: QuantizedTensor) -> dict | None:  # fmt: skip
+    """The C++ kernel's arguments of `ops.stream_append_cpu` (a decoding step's token into a preallocated layer whose
+    values are `values`, in `fmt` with `search_scale`, Hadamard-rotated by blocks of `rotation` or not: 0), its kernel
+    (`cpu/step_ops.cpp`) registered; None where it does not serve (another device, format or layout;
+    `HF_DELTAKV_KERNELS`): the layer then calls `ops.stream_append`. Asked once, when the storage is made."""
+    served = _encodes(fmt, values.dim, CPU_QUANTIZED_KINDS) and _rows_contiguous(values) and key_dim % 2 == 0
+    compiled = _cpu_extension(device) if served else None
+    if compiled is None:
+        return None
+    from .cpu.encode import divisors
+    from .hadamard import ROTATION_LIMIT, rotation_scale
+
+    _register_step_ops(compiled)
+    return dict(v_kind=int(get_format(fmt).kind), v_block=get_format(fmt).block_size,
+                divisors=divisors(fmt, search_scale), rotation_scale=rotation_scale(rotation) if rotation else 1.0,
+                rotation_limit=ROTATION_LIMIT)  # fmt: skip
+
+
+def attention_kernel_arguments(device: torch.device, fmt: str, dim: int, value_dim: int, group: int) -> dict | None:
+    """The C++ kernel's arguments of `ops.adaptive_attention_cpu` (a decoding step's attention over a preallocated
+    `DeltaKVCache` layer: head dimension `dim`, values of `value_dim` in `fmt`, key groups of `group` tokens), its
+    kernel (`cpu/step_ops.cpp`: the bookkeeping, a completed group's coding as `code_groups` codes it, `adaptive_step`)
+    registered; None where `adaptive_step` does
+    not serve: the layer then calls `ops.adaptive_attention`. Asked once, when the storage is made."""
+    if dim not in CPU_HEAD_DIMS or value_dim != dim or dim % get_format(fmt).block_size:
+        return None
+    compiled = _cpu_extension(device)
+    if compiled is None:
+        return None
+    from .cpu.stream_attention import TOKENS_PER_ITEM
+
+    _register_step_ops(compiled)
+    return dict(v_kind=int(get_format(fmt).kind), v_block=get_format(fmt).block_size,
+                split=-(-TOKENS_PER_ITEM // group) * group)  # fmt: skip
+
+
+_STEP_OPS_REGISTERED: list = []  # the extension whose step kernels serve the `_cpu` ops (one per process)
+
+
+def _register_step_ops(compiled) -> None:
+    if not _STEP_OPS_REGISTERED:
+        from ..quant.bitplanes import MAX_BITS
+        from . import ops  # noqa: F401  (the ops' schemas, defined before their kernels)
+
+        compiled.register_step_ops(reference.CLIPS, MAX_BITS, reference.WATER_LEVEL_STEPS)  # (code_groups' constants)
+        _STEP_OPS_REGISTERED.append(compiled)
 
 
 def _rows_contiguous(target: QuantizedTensor) -> bool:

@@ -325,6 +325,33 @@ def _adaptive_attention(query, mask, sink_keys, sink_values, planes, depths, low
     return query.new_empty(*query.shape[:3], sink_values.shape[-1], dtype=torch.float32)
 
 
+def with_kernel(generic, fake_of, arguments: str) -> None:
+    """Define `hf_deltakv::<name>_cpu` for the op `generic` (its function; `fake_of`: its fake implementation): its
+    schema with `arguments` (keyword-only: the C++ kernel's) after its own. On CPU tensors the kernel of
+    `cpu/step_ops.cpp` runs it, once `kernels.append_kernel_arguments` or `attention_kernel_arguments` registered it:
+    one C++ call, no Python, handing each step it does not serve (tokens into the sinks) to `generic` with its own
+    arguments. Anywhere else (and before the kernel is registered) this runs `generic` itself."""
+    name = generic.__name__
+    base = getattr(torch.ops.hf_deltakv, name).default
+    signature = str(base._schema)
+    head, returns = signature[signature.index("(") :].rsplit(") ->", 1)
+    own = [argument.split()[-1] for argument in arguments.split(",")]
+
+    def without(kwargs: dict) -> dict:
+        return {key: value for key, value in kwargs.items() if key not in own}
+
+    _LIBRARY.define(f"{name}_cpu{head}, {arguments}) ->{returns}", tags=tuple(base.tags))
+    _LIBRARY.impl(f"{name}_cpu", lambda *args, **kwargs: generic(*args, **without(kwargs)), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"hf_deltakv::{name}_cpu", lambda *args, **kwargs: fake_of(*args, **without(kwargs)),
+                                lib=_LIBRARY)  # fmt: skip
+    DEFINED.append(f"{name}_cpu")
+
+
+with_kernel(stream_append, _stream_append, "int v_kind, int v_block, float[] divisors, float rotation_scale, "
+            "float rotation_limit")  # fmt: skip
+with_kernel(adaptive_attention, _adaptive_attention, "int v_kind, int v_block, int split")
+
+
 @op(mutates_args=("k_codes", "k_scales", "k_mins", "counts"))
 def channel_attention(
     query: torch.Tensor,

@@ -473,7 +473,8 @@ class PackedStreamLayer(PositionedLayer):
         completed are coded by then), the eager layer emptied."""
         inner = self.inner
         keys = self.key_codec()
-        keys.layout()  # (codes the complete groups, as the next read would)
+        if getattr(keys, "length", 0):  # (a prompt no longer than the sinks leaves the key codec empty)
+            keys.layout()  # (codes the complete groups, as the next read would)
         held = inner.cumulative_length
         self._sinks_from_inner()
         rest = self._keys_from_inner(keys)
@@ -532,13 +533,27 @@ class GroupedKeysLayer(PackedStreamLayer):
         """The coded groups' storage (and coder state)."""
         raise NotImplementedError
 
+    def _make_storage(self, make, dim: int, value_dim: int) -> None:
+        super()._make_storage(make, dim, value_dim)
+        # The ops' C++ kernels where they serve (one call a step on the CPU): their arguments, else None.
+        rotation = self._options()["rotation"]
+        self.append_kernel = kernels.append_kernel_arguments(self.device, self.v_format, self.search_scale, rotation,
+                                                             dim, self.values)  # fmt: skip
+        self.attention_kernel = self._attention_kernel(dim, value_dim)
+
+    def _attention_kernel(self, dim: int, value_dim: int) -> dict | None:
+        """The C++ kernel's arguments of the subclass's attention op (`ops.with_kernel`), or None: its Python body."""
+        return None
+
     def _append_step(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> None:
         ids = given_position_ids(kwargs, None, 1, key_states)  # (None: the op takes the count of tokens held)
         values = self.values
-        torch.ops.hf_deltakv.stream_append(
+        kernel = self.append_kernel
+        append = torch.ops.hf_deltakv.stream_append if kernel is None else torch.ops.hf_deltakv.stream_append_cpu
+        append(
             key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
             values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
-            search_scale=self.search_scale, **self._options(),
+            search_scale=self.search_scale, **self._options(), **(kernel or {}),
         )  # fmt: skip
 
     def _tail_start(self, coded: int) -> int:
@@ -556,7 +571,8 @@ class GroupedKeysLayer(PackedStreamLayer):
         raise NotImplementedError
 
     def _keys_from_inner(self, keys) -> tuple[int, int, int]:
-        self.tail[:, :, : keys.tail.shape[2]] = keys.tail
+        if keys.tail is not None:
+            self.tail[:, :, : keys.tail.shape[2]] = keys.tail
         return self._groups_from_inner(keys)
 
     def _groups_from_inner(self, keys) -> tuple[int, int, int]:
@@ -599,13 +615,20 @@ class PackedDeltaLayer(GroupedKeysLayer):
     def group_tensors(self) -> list[torch.Tensor]:
         return [self.planes, self.depths, self.low, self.step, self.energy, self.before]
 
+    def _attention_kernel(self, dim: int, value_dim: int) -> dict | None:
+        return kernels.attention_kernel_arguments(self.device, self.v_format, dim, value_dim, self.group)
+
     def _attend_step(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         values = self.values
-        return torch.ops.hf_deltakv.adaptive_attention(
+        kernel = self.attention_kernel
+        attend = torch.ops.hf_deltakv.adaptive_attention
+        attend = attend if kernel is None else torch.ops.hf_deltakv.adaptive_attention_cpu
+        return attend(
             query, mask, self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail,
             values.codes, values.scales, values.mins, self.positions, self.freqs, self.order, self.energy,
             self.before, self.counts, pad=self.pad, total_bits=self.total_bits,
             clip_range=self.clip_range, query_weights=self.query_weights, scale=scale, **self._options(),
+            **(kernel or {}),
         )  # fmt: skip
 
     def _groups_to_inner(self, keys, coded: int) -> None:

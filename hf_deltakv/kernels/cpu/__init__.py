@@ -32,7 +32,7 @@ from pathlib import Path
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("stream_attention.cpp", "encode.cpp", "sparse_matvec.cpp", "latent.cpp", "module.cpp")
+    for name in ("stream_attention.cpp", "encode.cpp", "sparse_matvec.cpp", "latent.cpp", "step_ops.cpp", "module.cpp")
 ]
 # Included by the sources: part of the build's hash.
 HEADERS = [Path(__file__).with_name(name) for name in ("softmax.h", "rope.h", "planes.h", "lanes.h")]

@@ -33,6 +33,7 @@ std::vector<at::Tensor> code_delta_rows(at::Tensor x, at::Tensor base, at::Tenso
                                            int64_t bs, bool intra);
 
 at::Tensor query_energy(at::Tensor query, at::Tensor order);
+void register_step_ops(at::Tensor clips, int64_t most, int64_t steps);
 at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_t steps);
 at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes);
 std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor span, at::Tensor levels,
@@ -67,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_at", &quantize_rows_at, "quantize_rows of new tokens (rotated first or not), in place in growing storage");
   m.def("append_step", &append_step, "a decoding step's token into a preallocated DeltaKVCache layer (one call)");
   m.def("adaptive_step", &adaptive_step, "a decoding step's attention over a preallocated DeltaKVCache layer");
+  m.def("register_step_ops", &register_step_ops, "the C++ kernels of the ops stream_append_cpu, adaptive_attention_cpu");
   m.def("undo_rope", &undo_rope, "keys after RoPE turned back to before it (rope.RopeForm.undo)");
   m.def("code_delta_rows", &code_delta_rows, "one closed-loop delta step (inter/intra per block)");
 }
