@@ -115,6 +115,7 @@ CURRENT = (
     "compiled_decode_others.json",
     "compiled_decode_residual.json",
     "ab_decode.json",
+    "ab_decode_step_ops.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -530,13 +531,15 @@ def results() -> None:
         compiled = _load(name)
         if compiled:
             compiled_tables(name, what, compiled)
-    ab = _load("ab_decode.json")
-    if ab:
+    for name in ("ab_decode.json", "ab_decode_step_ops.json"):  # each change timed against the revision before it
+        ab = _load(name)
+        if not ab:
+            continue
         from ab_decode import markdown as ab_table
 
         cfg = ab["config"]
         print(
-            "\n## A change's decode speed, its revisions run alternately (`ab_decode.py`, `ab_decode.json`)\n\n"
+            f"\n## A change's decode speed, its revisions run alternately (`ab_decode.py`, `{name}`)\n\n"
             f"`compiled_decode.py` configurations at base {cfg['base'][:7]} and head {cfg['head'][:7]}"
             + (" (with changes not yet committed then)" if cfg["head_has_uncommitted_changes"] else "")
             + f", {cfg['pairs']} runs of each alternated, {cfg['rounds']} timed rounds a run, medians.\n\n"

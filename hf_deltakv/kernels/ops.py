@@ -5,7 +5,8 @@ out, each with a fake implementation so that `torch.compile` traces it without r
 rotated or not), as `kernels.stream_attention` dispatches it (the C++ kernel on the CPU, Triton on GPUs, the
 reference elsewhere). `hf_deltakv::stream_append` with `hf_deltakv::adaptive_attention` is a decoding step of a
 `DeltaKVCache` layer over preallocated storage (below), with `hf_deltakv::channel_attention` one of a `KIVIKVCache`
-layer. Inside a compiled graph each op is one opaque call: the
+layer; on the CPU the first two run as `stream_append_cpu` and `adaptive_attention_cpu` (`with_kernel`: C++ kernels
+registered with the dispatcher, `cpu/step_ops.cpp`). Inside a compiled graph each op is one opaque call: the
 dispatch runs when the graph runs.
 """
 
