@@ -351,8 +351,8 @@ def attention_kernel_arguments(device: torch.device, fmt: str, dim: int, value_d
     """The C++ kernel's arguments of `ops.adaptive_attention_cpu` (a decoding step's attention over a preallocated
     `DeltaKVCache` layer: head dimension `dim`, values of `value_dim` in `fmt`, key groups of `group` tokens), its
     kernel (`cpu/step_ops.cpp`: the bookkeeping, a completed group's coding as `code_groups` codes it, `adaptive_step`)
-    registered; None where `adaptive_step` does
-    not serve: the layer then calls `ops.adaptive_attention`. Asked once, when the storage is made."""
+    registered; None where `adaptive_step` does not serve: the layer then calls `ops.adaptive_attention`. Asked once,
+    when the storage is made."""
     if dim not in CPU_HEAD_DIMS or value_dim != dim or dim % get_format(fmt).block_size:
         return None
     compiled = _cpu_extension(device)

@@ -473,7 +473,7 @@ class PackedStreamLayer(PositionedLayer):
         completed are coded by then), the eager layer emptied."""
         inner = self.inner
         keys = self.key_codec()
-        if getattr(keys, "length", 0):  # (a prompt no longer than the sinks leaves the key codec empty)
+        if keys.length:  # (a prompt no longer than the sinks leaves the key codec empty)
             keys.layout()  # (codes the complete groups, as the next read would)
         held = inner.cumulative_length
         self._sinks_from_inner()
