@@ -18,6 +18,10 @@ first `SINKS` tokens raw: `value_sensitivity.py`'s protocol, an attention functi
 - `basis-wo@R`: the directions weighted by what reaches the output: the eigenvectors of `M^1/2 C M^1/2`, `C` the
   values' covariance and `M` the sum over the kv head's query heads of `W_o`'s head block `W^T W` (a generalized
   eigenproblem: the error measured after `o_proj`);
+- `+fallback`: per token and kv head, whichever of the basis's coding and today's rotated blocks at the same rate
+  (`q3_0-rot` at 3.5, `q4_0-rot` at 4.5) errs less in squared error, a flag bit per token and head counted (a token
+  far out in a direction the fit barely saw coarsens every direction of its basis coding; the blocks' scales follow
+  it);
 - `(self)`: the basis, mean and bits fitted on each measured window's own values (what a cache fitting at prefill
   from the prompt would have for the prompt's tokens; the others are calibrated on another text); `(prefix)`: fitted
   on the window's first half, used for all of it (a prompt's basis serving the tokens decoded after it).
@@ -54,7 +58,7 @@ import time
 
 import torch
 from paths import RESULTS, WIKITEXT_VALID, machine
-from value_sensitivity import SINKS, coded
+from value_sensitivity import SINKS, coded, rotated_blocks
 
 from hf_deltakv.kernels.hadamard import rotate
 from hf_deltakv.quant import FP16_MAX
@@ -80,10 +84,15 @@ VARIANTS = (
     {"kind": "basis", "self": True, "rate": 2.5, "options": {"scale": "max", "floor": 1}},
     {"kind": "basis", "self": True, "rate": 3.0, "options": {"scale": "max", "floor": 2}},
     {"kind": "basis", "self": True, "rate": 4.5, "options": {"scale": "max", "floor": 2}},
+    {"kind": "basis", "self": True, "options": {"scale": "max", "floor": 2}, "fallback": True},
+    {"kind": "basis", "self": "prefix", "options": {"scale": "max", "floor": 2}, "fallback": True},
+    {"kind": "basis", "self": True, "rate": 4.5, "options": {"scale": "max", "floor": 2}, "fallback": True},
+    {"kind": "basis", "options": {"scale": "max", "floor": 2}, "fallback": True},
     {"kind": "basis", "rate": 3.0, "options": {"scale": "max", "floor": 2}},
     {"kind": "basis", "rate": 4.5, "options": {"scale": "max", "floor": 2}},
 )
 NORM_BITS = 16  # one fp16 scale per token and head
+FALLBACK = {3.5: "q3_0", 4.5: "q4_0"}  # today's rotated blocks at a rate (`+fallback`)
 SCALE_SEARCH = (0.8, 1.0, 1.25, 1.6, 2.0, 2.5, 3.2, 4.0)  # multiples of a token's RMS tried as its scale
 MAX_SEARCH = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)  # multiples of its largest coefficient (`HeadCoders` "max")
 RMS_IN_MAX = (2.0, 2.5, 3.0, 4.0)  # ... and multiples of its coefficients' RMS (the largest clipped)
@@ -188,6 +197,24 @@ class HeadCoders:
                 better = error < best_error
                 best, best_error = torch.where(better, decoded, best), torch.minimum(error, best_error)
         return torch.einsum("bhte,hed->bhtd", best, self.inverse) + self.mean[:, None]
+
+
+class Fallback:
+    """`coder` (a `HeadCoders`) or, per token and kv head, the rotated blocks of `fmt` where they err less in squared
+    error (what one flag bit per token and head selects)."""
+
+    def __init__(self, coder: HeadCoders, fmt: str) -> None:
+        self.coder, self.fmt = coder, fmt
+        self.tokens = self.fallen = 0  # (how many token-heads took the blocks)
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        x = values.float()
+        basis = self.coder(values)
+        blocks = rotated_blocks(x, self.fmt)
+        worse = (basis - x).pow(2).sum(-1, keepdim=True) > (blocks - x).pow(2).sum(-1, keepdim=True)
+        self.tokens += worse.numel()
+        self.fallen += int(worse.sum())
+        return torch.where(worse, blocks, basis)
 
 
 def fit(stats: dict, rate: float, kind: str, metric: torch.Tensor | None = None, floor: int = 0,
@@ -369,12 +396,15 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
     table_bytes = 2 * kv_heads * (dim * dim + dim) + kv_heads * dim  # fp16 matrix and mean, a byte of bits a direction
     result["table_bytes_per_layer"] = table_bytes
 
-    def add(label: str, bits: float, code) -> None:
+    def add(label: str, bits: float, code, coders: list | None = None) -> None:
         if only and only not in label:
             return
         value, mse, output_mse = kl(code)
         result["variants"].append({"variant": label, "bits": bits, "kl": value, "value_mse": mse,
                                    "output_mse": output_mse})  # fmt: skip
+        fallen = [c for c in coders or [] if isinstance(c, Fallback)]
+        if fallen:  # (the share of token-heads the blocks coded)
+            result["variants"][-1]["fallback_share"] = sum(c.fallen for c in fallen) / sum(c.tokens for c in fallen)
         print(f"{name}: {label} ({bits:.3f} bits): KL {value:.5f}, value MSE {mse:.4f}, output MSE {output_mse:.4f}",
               file=sys.stderr, flush=True)  # fmt: skip
 
@@ -387,15 +417,23 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
     for spec in VARIANTS:
         kind, rate, options = spec["kind"], spec.get("rate", 3.5), spec.get("options", {})
         label = kind + "".join(f"/{k}={v}" for k, v in options.items()) + (f"@{rate}" if "basis" in kind else "")
+        bits, fallback = rate, bool(spec.get("fallback"))
+
+        def made(stats, layer, rate=rate, kind=kind, options=options, fallback=fallback):
+            coder = fit(stats, rate, kind, metrics[layer], **options)
+            return Fallback(coder, FALLBACK[rate]) if fallback else coder
+
+        if fallback:
+            label, bits = label.replace("@", "+fallback@"), rate + 1 / dim
         if spec.get("self"):  # fitted on each measured window's own values (its first half: "prefix")
             source = own_prefix if spec["self"] == "prefix" else own
-            selves = [{layer: fit(o[layer], rate, kind, metrics[layer], **options) for layer in range(layers)}
-                      for o in source]  # fmt: skip
-            add(label + (" (prefix)" if spec["self"] == "prefix" else " (self)"), rate,
-                keep_sinks(lambda layer, i, selves=selves: selves[i][layer]))  # fmt: skip
+            selves = [{layer: made(o[layer], layer) for layer in range(layers)} for o in source]
+            add(label + (" (prefix)" if spec["self"] == "prefix" else " (self)"), bits,
+                keep_sinks(lambda layer, i, selves=selves: selves[i][layer]),
+                [c for s in selves for c in s.values()])  # fmt: skip
         else:
-            fitted = {layer: fit(calibration[layer], rate, kind, metrics[layer], **options) for layer in range(layers)}
-            add(label, rate, keep_sinks(lambda layer, i, fitted=fitted: fitted[layer]))
+            fitted = {layer: made(calibration[layer], layer) for layer in range(layers)}
+            add(label, bits, keep_sinks(lambda layer, i, fitted=fitted: fitted[layer]), list(fitted.values()))
     result["seconds"] = round(time.perf_counter() - started)
     return result
 
@@ -427,7 +465,8 @@ def markdown(result: dict) -> str:
              "| values coded as | bits a value | KL | values' relative squared error | attention output's (after "
              "o_proj) |", "|---|---:|---:|---:|---:|"]  # fmt: skip
     for row in result["variants"]:
-        lines.append(f"| {row['variant']} | {row['bits']:.2f} | {row['kl']:.5f} | {row['value_mse']:.4f} | "
+        share = f" (blocks: {row['fallback_share']:.0%} of token-heads)" if "fallback_share" in row else ""
+        lines.append(f"| {row['variant']}{share} | {row['bits']:.3f} | {row['kl']:.5f} | {row['value_mse']:.4f} | "
                      f"{row['output_mse']:.4f} |")  # fmt: skip
     return "\n".join(lines)
 

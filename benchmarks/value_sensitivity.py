@@ -113,6 +113,12 @@ def block_levels(r: torch.Tensor, levels: torch.Tensor, search: bool = False) ->
     return best.reshape(shape)
 
 
+def rotated_blocks(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`x` (fp32, the last dimension a head's) rotated, coded in `fmt` as the cache codes it (the scale searched where
+    the cache searches it) and rotated back."""
+    return rotate(dequantize(quantize(rotate(x), fmt, get_format(fmt).kind in SEARCHABLE_KINDS)))
+
+
 def coded(values: torch.Tensor, fmt: str, heads: list[int] | None = None, keep: torch.Tensor | None = None,
           keep_fmt: str = "q8_0", levels: torch.Tensor | None = None, search: bool = False,
           ) -> torch.Tensor:  # fmt: skip

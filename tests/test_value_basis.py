@@ -100,3 +100,23 @@ def test_both_scales_code_near_the_values_and_the_floor_drops_no_direction():
         near = float((coder(x[None])[0] - x).pow(2).sum() / (x - x.mean(1, keepdim=True)).pow(2).sum())
         assert near < 0.05
     assert float(vb.fit(stats, 8.25, "basis", scale="max")(x[None]).sub(x).pow(2).mean()) < 1e-4
+
+
+def test_the_fallback_codes_each_token_the_way_that_errs_less():
+    """A token far out in a direction the fit barely saw is coded badly in the basis (its scale coarsens every
+    direction); the fallback takes the rotated blocks for it and keeps the basis for the rest."""
+    g = torch.Generator().manual_seed(4)
+    heads, tokens, dim = 1, 512, 64
+    spread = torch.logspace(0.5, -1.5, dim)
+    mixing = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0]
+    x = (torch.randn(heads, tokens, dim, generator=g) * spread) @ mixing.T
+    x[:, 7] += 4.0 * mixing[:, -1]  # (far out in the weakest direction)
+    coder = vb.fit(_statistics(x[:, 8:]), 3.5, "basis", scale="max", floor=2)  # (fitted on the later tokens)
+    fallback = vb.Fallback(coder, vb.FALLBACK[3.5])
+    both = [c(x[None])[0] for c in (coder, fallback)]
+    blocks = vb.rotated_blocks(x, "q3_0")
+    errors = [(y - x).pow(2).sum(-1) for y in (*both, blocks)]
+    torch.testing.assert_close(errors[1], torch.minimum(errors[0], errors[2]))
+    assert errors[0][0, 7] > 4 * errors[2][0, 7]  # (the outlier: the blocks' error is far smaller)
+    assert 0 < fallback.fallen < 0.5 * tokens and fallback.tokens == tokens  # (the basis keeps most tokens)
+    assert float(errors[1].sum()) < 0.8 * float(errors[2].sum())
