@@ -113,10 +113,14 @@ def block_levels(r: torch.Tensor, levels: torch.Tensor, search: bool = False) ->
     return best.reshape(shape)
 
 
+def block_coded(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`x` (fp32) coded in `fmt` and decoded, the scale searched where the cache searches it."""
+    return dequantize(quantize(x, fmt, get_format(fmt).kind in SEARCHABLE_KINDS))
+
+
 def rotated_blocks(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """`x` (fp32, the last dimension a head's) rotated, coded in `fmt` as the cache codes it (the scale searched where
-    the cache searches it) and rotated back."""
-    return rotate(dequantize(quantize(rotate(x), fmt, get_format(fmt).kind in SEARCHABLE_KINDS)))
+    """`x` (fp32, the last dimension a head's) rotated, coded in `fmt` as the cache codes it and rotated back."""
+    return rotate(block_coded(rotate(x), fmt))
 
 
 def coded(values: torch.Tensor, fmt: str, heads: list[int] | None = None, keep: torch.Tensor | None = None,
@@ -129,10 +133,10 @@ def coded(values: torch.Tensor, fmt: str, heads: list[int] | None = None, keep: 
     body = rotate(x[:, :, SINKS:])
     if levels is not None:
         low = block_levels(body, levels, search)
-    else:  # (the scale searched where the cache searches it)
-        low = dequantize(quantize(body, fmt, get_format(fmt).kind in SEARCHABLE_KINDS))
+    else:
+        low = block_coded(body, fmt)
     if keep is not None:
-        high = dequantize(quantize(body, keep_fmt, get_format(keep_fmt).kind in SEARCHABLE_KINDS))
+        high = block_coded(body, keep_fmt)
         low = torch.where(keep[:, :, SINKS:, None], high, low)
     out = x.clone()
     chosen = slice(None) if heads is None else heads
