@@ -17,8 +17,8 @@ benchmarks/results/gpu_decode.json with the device's name.
     python benchmarks/gpu_decode.py --e2e                          # ~5 min on one H200 (untimed so far)
 
 `--e2e` ends with compiled decoding (issue 63, `--e2e-compiled`, `--compiled-contexts`): StaticCache against
-`StaticQuantizedKVCache` (q4_0, rotated), each compiled as `generate` compiles it (`mode="reduce-overhead"`: CUDA
-graphs), the same random-weight shapes.
+`StaticQuantizedKVCache` (q4_0, rotated) and `StaticDeltaKVCache(kf=32)`, each compiled as `generate` compiles it
+(`mode="reduce-overhead"`: CUDA graphs), the same random-weight shapes.
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B --e2e \
         --e2e-contexts 64 --e2e-caches dynamic,delta --new 2 --first-contact 3,48 --out /tmp/gpu_decode.json  # smoke
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --device cpu --contexts 128 --iters 1 --shapes 1B   # smoke
@@ -236,18 +236,19 @@ def _decode_speed(name: str, model, config, cfg: dict, context: int, args: argpa
     return args.new / (time.perf_counter() - start)
 
 
-COMPILED_CACHES = ("static", "q4_0-rot-static")  # compiled decoding (issue 63): StaticCache against ours
+COMPILED_CACHES = ("static", "q4_0-rot-static", "delta-static")  # compiled decoding (issue 63): StaticCache, ours
 
 
 @torch.no_grad()
 def compiled_speed(name: str, shape: str, context: int, args: argparse.Namespace) -> float:
     """Tokens/s of `--new` greedy steps of a random-weight model of `shape` compiled as `generate` compiles it
     (`fullgraph`, static shapes; on CUDA `mode="reduce-overhead"`: CUDA graphs), over a history of `context` random
-    tokens in a cache of capacity `context + new + 4`: `static` (transformers' StaticCache) or `q4_0-rot-static`
-    (`StaticQuantizedKVCache("q4_0", "q4_0", rotate=True)`)."""
+    tokens in a cache of capacity `context + new + 4`: `static` (transformers' StaticCache), `q4_0-rot-static`
+    (`StaticQuantizedKVCache("q4_0", "q4_0", rotate=True)`) or `delta-static` (`StaticDeltaKVCache(kf=32)`: on CUDA
+    its decoding ops keep their counters on the device, so the CUDA graphs take them in)."""
     from transformers import StaticCache
 
-    from hf_deltakv import StaticQuantizedKVCache
+    from hf_deltakv import StaticDeltaKVCache, StaticQuantizedKVCache
 
     cfg = SHAPES[shape]
     model, config = _model(cfg, context, args.device)
@@ -256,12 +257,16 @@ def compiled_speed(name: str, shape: str, context: int, args: argparse.Namespace
         cache = StaticCache(config=config, max_cache_len=capacity)
     elif name == "q4_0-rot-static":
         cache = StaticQuantizedKVCache("q4_0", "q4_0", rotate=True, max_cache_len=capacity, model=model)
+    elif name == "delta-static":
+        cache = StaticDeltaKVCache(kf=32, max_cache_len=capacity, model=model)
     else:
         raise ValueError(f"--e2e-compiled takes {COMPILED_CACHES}, got {name!r}")
     _filled(cache, cfg, context, 1, args)
+    token = torch.tensor([[11]], device=args.device)
+    if name == "delta-static":  # one eager step: the history moves from the eager layers into the storage
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     mode = "reduce-overhead" if args.device == "cuda" else None
     step = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
-    token = torch.tensor([[11]], device=args.device)
     for _ in range(3):  # compile, then record the CUDA graph
         token = step(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     _sync(args.device)

@@ -102,6 +102,7 @@ def launches(quick: bool = False) -> list[Launch]:
         reconstruct,
         residual,
         sparse_matvec,
+        step,
     )
     from hf_deltakv.quant import QuantizedTensor, get_format
 
@@ -228,6 +229,28 @@ def launches(quick: bool = False) -> list[Launch]:
                 prompt = torch.randn(1, 2, append.ROWS_MOST + 3, dim, generator=g).to(dtype)
                 rows = QuantizedTensor.empty(get_format(fmt), (1, 2, append.ROWS_MOST + 3), dim, "cpu")
                 append.quantize_at(prompt, fmt, search, rows, 0, min(dim, 128) if rotation else 0)
+        stepped = (("q4_0", True), ("q4_1", False), ("q8_0", False))  # what `kernels.device_step_serves` takes
+        for dim, group, dtype, (fmt, search), flags in product(HEAD_DIMS, GROUPS, INPUT_DTYPES, stepped,
+                                                              ((True, True), (False, False))):  # fmt: skip
+            rope, weights = flags  # a decoding step with device counters (`step.py`: `StaticDeltaKVCache` on GPUs)
+            label[0] = f"a step with device counters, {fmt} values, head_dim {dim}, {group} queries per kv head, "
+            label[0] += f"{str(dtype).removeprefix('torch.')}, RoPE undone {rope}, query weights {weights}"
+            kf, capacity = 32, 4 + 3 * 32
+            positions = torch.zeros(1, capacity, dtype=torch.int32)
+            freqs = 10000.0 ** -(torch.arange(dim // 2, dtype=torch.float64) / (dim // 2)) if rope else None
+            sinks = torch.zeros(1, 2, 4, dim, dtype=torch.float16 if dtype == torch.float32 else dtype)
+            tail = torch.zeros(1, 2, kf, dim, dtype=torch.float16)
+            values = QuantizedTensor.empty(get_format(fmt), (1, 2, capacity - 4), dim, "cpu")
+            state = torch.zeros(4, dtype=torch.int64)
+            x = torch.randn(1, 2, 1, dim, generator=g).to(dtype)
+            step.append_step(x, x, None, sinks, sinks, tail, values, positions, freqs, None, state, group=kf, pad=4,
+                             fmt=fmt, search_scale=search, rotation=min(dim, 128))  # fmt: skip
+            query = torch.randn(1, 2 * group, 1, dim, generator=g).to(dtype)
+            energy = torch.zeros(1, 2, dim)
+            step.attention_step(query, torch.ones(1, 1, capacity, dtype=torch.bool), sinks, sinks,
+                                _adaptive_rows(kf, dim, 3), tail, values, positions, freqs, None, energy, energy,
+                                state, pad=4, total_bits=4 * dim, clip_range=True, query_weights=weights,
+                                rotation=min(dim, 128), scale=0.1)  # fmt: skip
         label[0] = "grown storage: 4 copies of rows"
         copy.copy_rows([(torch.zeros(1, 2, 5, 4, 16, dtype=torch.uint8)[:, :, :3], torch.zeros(1, 2, 9, 4, 16,
                          dtype=torch.uint8)) for _ in range(4)])  # fmt: skip

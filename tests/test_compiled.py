@@ -237,13 +237,15 @@ def test_beam_search_decodes_as_the_eager_cache(name):
 
 def test_ops_with_host_counters_run_outside_cuda_graphs():
     """Every op of ours that reads host counters (`counts`) is tagged `cudagraph_unsafe` (inductor's partitioning then
-    runs it outside the CUDA graphs); `plain_attention`, which keeps no state on the host, is not."""
+    runs it outside the CUDA graphs); `plain_attention`, which keeps no state on the host, and the `_dev` ops, whose
+    counters are on the device (`state`), are not."""
     import hf_deltakv.residual.ops  # noqa: F401  (registers the residual cache's ops)
     from hf_deltakv.kernels.ops import DEFINED
 
     ops = {name: getattr(torch.ops.hf_deltakv, name).default for name in DEFINED}
-    assert len(ops) == 12
+    assert len(ops) == 14
     for name, op in ops.items():
         host = any(argument.name == "counts" for argument in op._schema.arguments)
         assert (torch.Tag.cudagraph_unsafe in op.tags) == host, name
-    assert not ops["plain_attention"].tags
+    assert not ops["plain_attention"].tags and not ops["stream_append_dev"].tags
+    assert not ops["adaptive_attention_dev"].tags

@@ -5,6 +5,8 @@ of `DeltaKVCache`."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._inductor.config
@@ -43,12 +45,13 @@ def compiles_as_eager(model, make, expected: torch.Tensor, ops: tuple[str, ...])
     return eager, compiled
 
 
-def compiles_once(model, cache, expected: torch.Tensor) -> None:
-    """`cache` decodes `expected` through a compiled `generate` in one graph (the GPU-path tests)."""
+def compiles_once(model, cache, expected: torch.Tensor) -> list[str]:
+    """`cache` decodes `expected` through a compiled `generate` in one graph (the GPU-path tests); returns its calls."""
     torch._dynamo.reset()
     compiles = []
     assert torch.equal(generate(model, cache, counting_config(compiles)), expected)
     assert len(compiles) == 1
+    return graph_ops(compiles[0])
 
 
 @pytest.mark.parametrize(("kf", "dtype"), [(8, torch.float32), (16, torch.bfloat16)])
@@ -67,14 +70,17 @@ def test_generate_compiles_once_and_decodes_as_delta_kv_cache(kf, dtype):
 
 def test_gpu_path_compiles_once_and_decodes_as_eager(monkeypatch):
     """The Triton path under the interpreter (the ops dispatch to the Triton kernels as on a GPU), compiled by
-    inductor around the ops: one graph, the tokens of eager decoding on the same path."""
+    inductor around the ops: one graph calling the ops with device counters once per layer, the tokens of eager
+    decoding on the same path."""
     import hf_deltakv.kernels
 
     monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
     monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
     model = tiny_model()
     expected = generate(model, DeltaKVCache(kf=16, model=model))
-    compiles_once(model, StaticDeltaKVCache(kf=16, max_cache_len=80, model=model), expected)
+    calls = compiles_once(model, StaticDeltaKVCache(kf=16, max_cache_len=80, model=model), expected)
+    ours = [calls.count(f"hf_deltakv.{op}_dev") for op in ("stream_append", "adaptive_attention")]
+    assert ours == [len(model.model.layers)] * 2, calls
 
 
 def steps_by_hand(grown, layer, q, k, v, prompt: int):
@@ -178,6 +184,56 @@ def test_cpu_step_ops_are_the_python_ops_in_one_call(monkeypatch):
     assert handed == [2, 3, 20] and len(completes) >= 3 and fast.counts[ops.CODED] == len(completes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_counter_ops_are_the_host_counter_ops(monkeypatch, dtype):
+    """On the GPU path (Triton, under the interpreter) a layer keeps its counters on the device and decodes through
+    `stream_append_dev` and `adaptive_attention_dev` (`triton/step.py`): the same launches at every step, none of them
+    a host read of the counters. A copy of the layer fed the same steps through the host-counter ops stores the same
+    bytes, counters, positions and query sums and attends bit for bit, from a prompt inside the sinks across several
+    key-group codings (while every token is a sink, the outputs agree within rounding: the host op's generic softmax);
+    the mask's rows strided at one step."""
+    import hf_deltakv.kernels
+    from hf_deltakv.eval.gpu_path import _replace_run
+
+    monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
+    monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
+    model = tiny_model(dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, dim, steps = 2, 4, 2, 32, 20
+    q = torch.randn(batch, heads, 2 + steps, dim, generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, 2 + steps, dim, generator=g).to(dtype) * 2 for _ in range(2))
+    device, host = (StaticDeltaKVCache(kf=8, max_cache_len=40, model=model).layers[0] for _ in range(2))
+    for layer in (device, host):
+        layer.update(k[:, :, :2], v[:, :, :2], position_ids=torch.arange(2)[None])  # (fewer tokens than the sinks)
+    assert device.device_step and device.append_kernel is None and device.attention_kernel is None
+    host.device_step = False
+    launches, per_step = [], []
+    stack = contextlib.ExitStack()
+    _replace_run(stack, lambda run: lambda fn, *a, **kw: launches.append(fn.__name__) or run(fn, *a, **kw))
+    for t in range(2, 2 + steps):
+        visible = torch.arange(80) <= 2 * t if t == 20 else torch.arange(40) <= t
+        mask = visible.expand(batch, 1, 1, -1)[..., :: 2 if t == 20 else 1]  # (step 20: every other entry of 80)
+        outputs = []
+        for layer in (device, host):
+            launches.clear()
+            keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1], position_ids=torch.tensor([[t]]))
+            outputs.append(F.scaled_dot_product_attention(q[:, :, t : t + 1], keys, values, mask, enable_gqa=True))
+            if layer is device:
+                per_step.append(tuple(launches))
+        if t < device.sinks:  # (sinks only: the host op's generic softmax, the device op's merge kernel)
+            torch.testing.assert_close(*outputs)
+        else:
+            assert torch.equal(*outputs), t
+        for a, b in zip([*device.tensors(), device.counts, device.positions, device.energy, device.before],
+                        [*host.tensors(), host.counts, host.positions, host.energy, host.before],
+                        strict=True):  # fmt: skip
+            assert torch.equal(a, b), t
+    stack.close()
+    assert len(set(per_step)) == 1 and len(per_step[0]) == 8, set(per_step)  # (3 launches to append, 5 to attend)
+    completes = [t for t in range(device.sinks, 2 + steps) if (t + 1 - device.sinks + device.pad) % 8 == 0]
+    assert len(completes) >= 2 and device.counts[ops.CODED] == len(completes)
+
+
 def test_a_second_prompt_and_a_crop_continue_as_delta_kv_cache():
     """A conversation's next turn after decoding steps (the eager layer given the stored tokens), and a crop."""
     model = tiny_model()
@@ -267,3 +323,33 @@ def test_bad_use_is_refused_and_leaves_the_cache_as_it_was():
     assert int(cache.get_seq_length()) == 9 and cache.layers[0].counts[ops.TOKENS] == 9
     cache.reset()
     assert int(cache.get_seq_length()) == 0
+
+
+def test_device_counter_ops_pass_opcheck(monkeypatch):
+    """`stream_append_dev` and `adaptive_attention_dev` (on the Triton path, under the interpreter): schema (the
+    mutated arguments, the counters among them), fake implementation and dispatch, as `test_ops_pass_opcheck`."""
+    import hf_deltakv.kernels
+
+    monkeypatch.setattr(hf_deltakv.kernels, "use_triton", lambda device: True)
+    monkeypatch.setattr(hf_deltakv.kernels, "_cpu_extension", lambda device: None)
+    model = tiny_model()
+    cache = StaticDeltaKVCache(kf=8, max_cache_len=32, model=model)
+    model(prompt(15), cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.device_step
+    values = layer.values
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(2, layer.num_heads, 1, 32, generator=g) for _ in range(2))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.hf_deltakv.stream_append_dev.default, (key, value, torch.full((2, 1), 15),
+                          layer.sink_keys, layer.sink_values, layer.tail, values.codes, values.scales, values.mins,
+                          layer.positions, layer.freqs, layer.order, layer.counts),
+                          dict(group=8, pad=layer.pad, v_format=layer.v_format, search_scale=True, rotation=32),
+                          test_utils=checks)  # fmt: skip
+    args = (torch.randn(2, 4, 1, 32, generator=g), torch.ones(2, 1, 32, dtype=torch.bool), layer.sink_keys,
+            layer.sink_values, layer.planes, layer.depths, layer.low, layer.step, layer.tail, values.codes,
+            values.scales, values.mins, layer.positions, layer.freqs, layer.order, layer.energy, layer.before,
+            layer.counts)  # fmt: skip
+    options = dict(pad=layer.pad, total_bits=layer.total_bits, clip_range=True, query_weights=True,
+                   v_format=layer.v_format, rotation=32, scale=32**-0.5)  # fmt: skip
+    torch.library.opcheck(torch.ops.hf_deltakv.adaptive_attention_dev.default, args, options, test_utils=checks)

@@ -33,6 +33,8 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     adaptive_step      cpu/stream_attention.cpp    | - (None: the caller's stream_attention; a step over storage)
     append_kernel_arguments cpu/step_ops.cpp       | - (None: ops.stream_append's Python body)
     attention_kernel_arguments cpu/step_ops.cpp    | - (None: ops.adaptive_attention's Python body)
+    device_step_serves -                           | triton/step.py (ops.*_dev: counters on the device, constant
+                                                   |   launches; False: the host-counter ops)
     keep_rows          -                           | triton/kept.py (the evicting caches' new tokens, one launch)
     compact_kept       -                           | triton/kept.py (the kept tokens into new storage, one launch)
     kept_attention     -                           | triton/kept.py (one query per head: split over the slots, merge)
@@ -48,7 +50,8 @@ implementation each): `hf_deltakv::plain_attention` runs `stream_attention` abov
 `hf_deltakv::stream_append` (`undo_rope_into`, `quantize_at`) with `hf_deltakv::adaptive_attention`
 (`add_query_energy`, `code_groups`, `stream_attention`) is a decoding step of a `DeltaKVCache` layer (on the CPU their
 `_cpu` forms: the C++ kernels of `cpu/step_ops.cpp` registered for the ops, whose arguments the two
-`*_kernel_arguments` above give, handing the steps they do not serve to the Python bodies), with
+`*_kernel_arguments` above give, handing the steps they do not serve to the Python bodies; on GPUs their `_dev`
+forms, the counters on the device, where `device_step_serves`), with
 `hf_deltakv::channel_attention` (`quantize_at`, `stream_attention`) one of a `KIVIKVCache` layer, over storage
 preallocated for `max_cache_len` tokens; `residual.ops` registers the residual cache's two (`latent_append`:
 `write_raw`, `encode_latent_into`; `latent_attention_step`: `latent_stream_attention`, or `dequantize_latent` and
@@ -363,6 +366,20 @@ def attention_kernel_arguments(device: torch.device, fmt: str, dim: int, value_d
     _register_step_ops(compiled)
     return dict(v_kind=int(get_format(fmt).kind), v_block=get_format(fmt).block_size,
                 split=-(-TOKENS_PER_ITEM // group) * group)  # fmt: skip
+
+
+def device_step_serves(device: torch.device, fmt: str, dim: int, value_dim: int, group: int) -> bool:
+    """Whether a decoding step of a preallocated `DeltaKVCache` layer (head dimension `dim`, values of `value_dim` in
+    `fmt`, key groups of `group` tokens) runs as `ops.stream_append_dev` and `ops.adaptive_attention_dev` (the
+    counters on the device, `triton/step.py`): where Triton runs (`use_triton`) and its kernels read these shapes.
+    Asked once, when the storage is made."""
+    if not use_triton(device) or value_dim != dim or dim < 16 or dim & (dim - 1):
+        return False
+    from .triton.adaptive_attention import TILE_KINDS, WORDS
+    from .triton.append import serves_quantize
+
+    form = get_format(fmt)
+    return form.kind in TILE_KINDS and dim % form.block_size == 0 and group in WORDS and serves_quantize(fmt, dim)
 
 
 _STEP_OPS_REGISTERED: list = []  # the extension whose step kernels serve the `_cpu` ops (one per process)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import torch
 
@@ -351,6 +352,46 @@ def with_kernel(generic, fake_of, arguments: str) -> None:
 with_kernel(stream_append, _stream_append, "int v_kind, int v_block, float[] divisors, float rotation_scale, "
             "float rotation_limit")  # fmt: skip
 with_kernel(adaptive_attention, _adaptive_attention, "int v_kind, int v_block, int split")
+
+
+# On GPUs the same step runs with its counters on the device (`state`, int64 `[4]` laid out as `counts`): every
+# launch the same at every step and nothing read on the host (`triton/step.py`), so a CUDA graph replays the ops too.
+
+
+def with_device_counters(generic, fake_of, body) -> None:
+    """Define `hf_deltakv::<name>_dev` for the op `generic` (its function; `fake_of`: its fake implementation): its
+    schema with the counters `counts` named `state` (a device tensor) and not tagged `cudagraph_unsafe`; `body` runs
+    it (the same arguments). A layer takes it where `kernels.device_step_serves`."""
+    name = generic.__name__
+    signature = str(getattr(torch.ops.hf_deltakv, name).default._schema)
+    _LIBRARY.define(f"{name}_dev" + re.sub(r"\bcounts\b", "state", signature[signature.index("(") :]))
+    _LIBRARY.impl(f"{name}_dev", body, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"hf_deltakv::{name}_dev", fake_of, lib=_LIBRARY)
+    DEFINED.append(f"{name}_dev")
+
+
+def _append_on_device(key, value, position_ids, sink_keys, sink_values, tail, v_codes, v_scales, v_mins, positions,
+                      freqs, order, state, *, group, pad, v_format, search_scale, rotation):  # fmt: skip
+    """`stream_append` with its counters `state` on the device (`triton/step.py` append_step: 3 launches)."""
+    from .triton.step import append_step
+
+    values = _values(v_codes, v_scales, v_mins, v_format, value.shape[-1])
+    append_step(key, value, position_ids, sink_keys, sink_values, tail, values, positions, freqs, order, state,
+                group=group, pad=pad, fmt=v_format, search_scale=search_scale, rotation=rotation)  # fmt: skip
+
+
+def _attend_on_device(query, mask, sink_keys, sink_values, planes, depths, low, step, tail, v_codes, v_scales, v_mins,
+                      positions, freqs, order, energy, before, state, *, v_format, **options):  # fmt: skip
+    """`adaptive_attention` with its counters `state` on the device (`triton/step.py` attention_step: 5 launches)."""
+    from .triton.step import attention_step
+
+    values = _values(v_codes, v_scales, v_mins, v_format, sink_values.shape[-1])
+    return attention_step(query, mask, sink_keys, sink_values, (planes, depths, low, step), tail, values, positions,
+                          freqs, order, energy, before, state, **options)  # fmt: skip
+
+
+with_device_counters(stream_append, _stream_append, _append_on_device)
+with_device_counters(adaptive_attention, _adaptive_attention, _attend_on_device)
 
 
 @op(mutates_args=("k_codes", "k_scales", "k_mins", "counts"))

@@ -535,11 +535,23 @@ class GroupedKeysLayer(PackedStreamLayer):
 
     def _make_storage(self, make, dim: int, value_dim: int) -> None:
         super()._make_storage(make, dim, value_dim)
-        # The ops' C++ kernels where they serve (one call a step on the CPU): their arguments, else None.
+        # The ops' forms: counters on the device where the subclass's step runs there (`_device_step`: the `_dev`
+        # ops, a GPU's); else the ops' C++ kernels where they serve (one call a step on the CPU): their arguments, or
+        # None: the Python bodies.
+        self.device_step = self._device_step(dim, value_dim)
+        if self.device_step:
+            self.counts = self.counts.to(self.device)
+            self.cumulative_length = self.counts[ops.TOKENS]
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.counts)
         rotation = self._options()["rotation"]
-        self.append_kernel = kernels.append_kernel_arguments(self.device, self.v_format, self.search_scale, rotation,
-                                                             dim, self.values)  # fmt: skip
-        self.attention_kernel = self._attention_kernel(dim, value_dim)
+        self.append_kernel = None if self.device_step else kernels.append_kernel_arguments(
+            self.device, self.v_format, self.search_scale, rotation, dim, self.values)  # fmt: skip
+        self.attention_kernel = None if self.device_step else self._attention_kernel(dim, value_dim)
+
+    def _device_step(self, dim: int, value_dim: int) -> bool:
+        """Whether the subclass's decoding step keeps its counters on the device (`kernels.device_step_serves`)."""
+        return False
 
     def _attention_kernel(self, dim: int, value_dim: int) -> dict | None:
         """The C++ kernel's arguments of the subclass's attention op (`ops.with_kernel`), or None: its Python body."""
@@ -550,6 +562,7 @@ class GroupedKeysLayer(PackedStreamLayer):
         values = self.values
         kernel = self.append_kernel
         append = torch.ops.hf_deltakv.stream_append if kernel is None else torch.ops.hf_deltakv.stream_append_cpu
+        append = torch.ops.hf_deltakv.stream_append_dev if self.device_step else append
         append(
             key_states, value_states, ids, self.sink_keys, self.sink_values, self.tail, values.codes, values.scales,
             values.mins, self.positions, self.freqs, self.order, self.counts, group=self.group, pad=self.pad,
@@ -615,6 +628,9 @@ class PackedDeltaLayer(GroupedKeysLayer):
     def group_tensors(self) -> list[torch.Tensor]:
         return [self.planes, self.depths, self.low, self.step, self.energy, self.before]
 
+    def _device_step(self, dim: int, value_dim: int) -> bool:
+        return kernels.device_step_serves(self.device, self.v_format, dim, value_dim, self.group)
+
     def _attention_kernel(self, dim: int, value_dim: int) -> dict | None:
         return kernels.attention_kernel_arguments(self.device, self.v_format, dim, value_dim, self.group)
 
@@ -623,6 +639,7 @@ class PackedDeltaLayer(GroupedKeysLayer):
         kernel = self.attention_kernel
         attend = torch.ops.hf_deltakv.adaptive_attention
         attend = attend if kernel is None else torch.ops.hf_deltakv.adaptive_attention_cpu
+        attend = torch.ops.hf_deltakv.adaptive_attention_dev if self.device_step else attend
         return attend(
             query, mask, self.sink_keys, self.sink_values, self.planes, self.depths, self.low, self.step, self.tail,
             values.codes, values.scales, values.mins, self.positions, self.freqs, self.order, self.energy,

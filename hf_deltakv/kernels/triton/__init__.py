@@ -24,10 +24,11 @@ def KERNEL_MODULES() -> tuple:
         reconstruct,
         residual,
         sparse_matvec,
+        step,
     )
 
     return (adaptive_attention, adaptive_code, append, copy, decode_attention, delta_attention, delta_encode, kept,
-            latent, quantize, reconstruct, residual, sparse_matvec)  # fmt: skip
+            latent, quantize, reconstruct, residual, sparse_matvec, step)  # fmt: skip
 
 
 def stream_attention(

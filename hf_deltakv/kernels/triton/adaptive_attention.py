@@ -42,6 +42,7 @@ from .common import (
     query_strides,
     rows_of,
     saturate_fp16,
+    step_state,
     turned_cos_sin,
     visible,
 )
@@ -50,6 +51,7 @@ WORDS = {8: tl.uint8, 16: tl.uint16, 32: tl.uint32, 64: tl.uint64}  # a plane of
 TILE_TOKENS = 16  # tokens decoded and scored at a time (head_dim 256: half): what keeps the tiles in registers
 TOKENS_PER_SPLIT = 256  # a split's share of the stream at least (fewer splits at short contexts)
 MAX_SPLITS = 64
+_TOKENS_PER_SPLIT, _MAX_SPLITS = tl.constexpr(TOKENS_PER_SPLIT), tl.constexpr(MAX_SPLITS)  # (the kernels' copies)
 
 
 @triton.jit
@@ -141,19 +143,35 @@ def _attend(
     return _fold(scores, v_a, v_b, m_i, l_i, acc_a, acc_b, DOT)
 
 
+@triton.jit
+def _live(state_ptr, sinks, pad, capacity, GS: tl.constexpr):
+    """A decoding step's tokens held, coded groups, stream tokens and splits (as `adaptive_attention` sizes them) from
+    a layer's device counters (`common.step_state`, after the step's bookkeeping): (held, coded, length, splits,
+    groups per split)."""
+    held, coded, _, _, _ = step_state(state_ptr, sinks, pad, GS, capacity)
+    length = tl.maximum(held - sinks, 0)
+    splits = tl.minimum(tl.minimum((length + _TOKENS_PER_SPLIT - 1) // _TOKENS_PER_SPLIT, _MAX_SPLITS), coded)
+    per_split = tl.where(splits > 0, (coded + splits - 1) // tl.maximum(splits, 1), 0)
+    splits = tl.where(per_split > 0, (coded + per_split - 1) // tl.maximum(per_split, 1), 0)
+    return held, coded, length, splits, per_split
+
+
 @triton.jit(do_not_specialize=("n_coded", "length", "units_per_split", "causal_offset", "GROUP", "NQ"))
 def _adaptive_split_kernel(
     q_ptr, planes_ptr, depths_ptr, low_ptr, step_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr,
-    o_ptr, m_ptr, l_ptr,
-    kv_heads, n_coded, length, pad, sinks, units_per_split, scale, causal_offset,
+    o_ptr, m_ptr, l_ptr, state_ptr,
+    kv_heads, n_coded, length, pad, sinks, units_per_split, scale, causal_offset, capacity,
     sqb, sqh, sqg, sqi, spb, sph, spg, sdb, sdh, sdg, slb, slh, slg, ssb, ssh, ssg, sxb, sxt, svb, svh, swb, swh, smb,
     smq, smt,
     GROUP, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     WORD: tl.constexpr, V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr,
-    MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr, NQ, ONE: tl.constexpr,
+    MASK: tl.constexpr, MOST: tl.constexpr, DOT: tl.constexpr, NQ, ONE: tl.constexpr, STATE: tl.constexpr,
 ):  # fmt: skip
     bh, split = program(0), program(1)
     n_splits = programs(1)
+    if STATE:  # a decoding step with device counters (`step.attention_step`): the grid sized for the capacity,
+        # the splits past the live ones read nothing (their statistics: empty)
+        _, n_coded, length, _, units_per_split = _live(state_ptr, sinks, pad, capacity, GS)
     b, h = bh // kv_heads, bh % kv_heads
     half: tl.constexpr = D // 2
     c = tl.arange(0, half)
@@ -210,16 +228,22 @@ def _adaptive_split_kernel(
 @triton.jit(do_not_specialize=("n_splits", "coded", "tail_tokens", "causal_offset", "GROUP", "NQ"))
 def _adaptive_merge_kernel(
     q_ptr, sk_ptr, sv_ptr, tail_ptr, pos_ptr, freq_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
-    out_ptr, stats_ptr,
-    kv_heads, n_splits, sinks, coded, tail_tokens, scale, causal_offset,
+    out_ptr, stats_ptr, state_ptr,
+    kv_heads, n_splits, sinks, coded, tail_tokens, scale, causal_offset, pad, capacity,
     sqb, sqh, sqg, sqi, skb, skh, skt, svb, svh, svt, stb, sth, stt, sxb, sxt, scb, sch, swb, swh, smb, smq, smt,
     GROUP, G_PAD: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, T: tl.constexpr,
     V_BLOCK: tl.constexpr, V_BITS: tl.constexpr, V_ASYM: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
     STAGES: tl.constexpr, ROT_SCALE: tl.constexpr, DOT: tl.constexpr, TAIL: tl.constexpr, STATS: tl.constexpr,
-    NQ, ONE: tl.constexpr,
+    NQ, ONE: tl.constexpr, STATE: tl.constexpr,
 ):  # fmt: skip
     bh = program(0)
     b, h = bh // kv_heads, bh % kv_heads
+    stride = n_splits  # (the splits' statistics: `n_splits` of them a row; with STATE the live ones read)
+    if STATE:  # a decoding step with device counters: the live splits, the tail's tokens and the sinks held
+        held, n_coded, length, n_splits, _ = _live(state_ptr, sinks, pad, capacity, GS)
+        coded = tl.where(n_coded > 0, n_coded * GS - pad, 0)
+        tail_tokens = length - coded
+        sinks = tl.minimum(held, sinks)
     half: tl.constexpr = D // 2
     g = program(1) * G_PAD + tl.arange(0, G_PAD)  # this block's query rows (see the split kernels)
     r_pad = programs(1) * G_PAD
@@ -231,7 +255,7 @@ def _adaptive_merge_kernel(
     acc_a = tl.zeros((G_PAD, half), tl.float32)
     acc_b = tl.zeros((G_PAD, half), tl.float32)
     for s in range(n_splits):  # the splits, by log-sum-exp
-        at = (bh * n_splits + s) * r_pad + g
+        at = (bh * stride + s) * r_pad + g
         m_s, l_s = tl.load(m_ptr + at), tl.load(l_ptr + at)
         m_new = tl.maximum(m_i, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -325,8 +349,12 @@ def adaptive_attention(
     scale: float,
     n_queries: int = 1,
     causal_offset: int = 0,
+    state: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """`reference.stream_attention` (see `supports`): fp32 `[batch, kv_heads, rows, dim]`.
+    """`reference.stream_attention` (see `supports`): fp32 `[batch, kv_heads, rows, dim]`. With `state` (a decoding
+    step of a layer with device counters, `step.attention_step`: the counters and the tokens the layer can hold;
+    `keys` and `values` its whole buffers, `keys.length` the stream's capacity), what is held is read from the
+    counters on the device: the grid is the capacity's.
 
     Args:
         query: `[batch, kv_heads, rows, dim]` (any float dtype and strides, canonical channel order): row
@@ -363,17 +391,21 @@ def adaptive_attention(
         plane_strides = [s // word_bytes for s in keys.planes.stride()[:3]]  # in words (a plane is one)
         on_device(_adaptive_split_kernel)[(batch * kv_heads, splits, blocks)](
             query, keys.planes, keys.bits, keys.low, keys.step, positions, freqs, v_codes, v.scales, v_mins,
-            mask_rows, o, m, l_sum,
+            mask_rows, o, m, l_sum, state[0] if state is not None else o,
             kv_heads, n_coded, keys.length, keys.offset, sink_keys.shape[2], per_split, float(scale), causal_offset,
+            state[1] if state is not None else 0,
             *strides, *plane_strides, *keys.bits.stride()[:3], *keys.low.stride()[:3],
             *keys.step.stride()[:3], positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1),
             v.scales.stride(0), v.scales.stride(1), *mask_strides(mask),
             GROUP=group, G_PAD=g_pad, D=dim, GS=keys.group, T=tile, WORD=WORDS[keys.group], V_BLOCK=v.fmt.block_size,
             V_BITS=v.fmt.bits, V_ASYM=v.mins is not None, ROPE=rope is not None, MASK=mask is not None,
-            MOST=MAX_BITS, DOT=dot, NQ=n_queries, ONE=n_queries == 1, num_warps=4 if dim < 128 else 8,
+            MOST=MAX_BITS, DOT=dot, NQ=n_queries, ONE=n_queries == 1, STATE=state is not None,
+            num_warps=4 if dim < 128 else 8,
         )  # fmt: skip
     tail = Tail(keys.tail, coded, positions, freqs, v, keys.group, tile, rope is not None)
-    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, rows, tail, dot)
+    live = None if state is None else (state[0], keys.offset, state[1])
+    return merge_splits(query, sink_keys, sink_values, (o, m, l_sum), mask, scale, values.rotation, rows, tail, dot,
+                        state=live)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -403,12 +435,15 @@ def merge_splits(
     tail: Tail | None = None,
     dot: bool = False,
     stats: torch.Tensor | None = None,
+    state: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """`_adaptive_merge_kernel`: the splits' statistics `partials` (`o [batch * kv_heads, splits, rows, dim]` in
     channel order, values rotated by `rotation`; `m`, `l [batch * kv_heads, splits, rows]`; the query rows laid out
     as `rows` says), the raw `tail` if any and the sinks merged into the normalised fp32 output
     `[batch, kv_heads, rows, dim]`; with `stats` (fp32 `[2, batch * kv_heads, padded rows]`), each row's softmax's
-    final max and sum written there too."""
+    final max and sum written there too. With `state` (the device counters, the stream's `pad` and the layer's
+    capacity: `adaptive_attention`'s), the live splits, the tail's tokens and the sinks held are read from the
+    counters."""
     strides, group = query_strides(query, rows.n_queries)
     batch, kv_heads, dim = query.shape[0], query.shape[1], query.shape[-1]
     o, m, l_sum = partials
@@ -427,14 +462,16 @@ def merge_splits(
     out = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device=query.device)
     on_device(_adaptive_merge_kernel)[(batch * kv_heads, rows.blocks)](
         query, sink_keys, sink_values, tokens, positions, freqs, v_codes, v_scales, v_mins, mask_rows,
-        o, m, l_sum, out, stats if stats is not None else out,
+        o, m, l_sum, out, stats if stats is not None else out, state[0] if state is not None else out,
         kv_heads, o.shape[1], sink_keys.shape[2], coded, tokens.shape[2], float(scale), rows.causal_offset,
+        *(state[1:] if state is not None else (0, 0)),
         *strides, *sink_keys.stride()[:3], *sink_values.stride()[:3], *tokens.stride()[:3],
         positions.stride(0), positions.stride(-1), v_codes.stride(0), v_codes.stride(1), v_scales.stride(0),
         v_scales.stride(1), *mask_strides(mask),
         GROUP=group, G_PAD=rows.block, D=dim, GS=gs, T=tile, V_BLOCK=v_block, V_BITS=v_bits, V_ASYM=v_asym,
         ROPE=rope, MASK=mask is not None, STAGES=log2_of(rotation),
         ROT_SCALE=rotation_scale(rotation) if rotation else 1.0, DOT=dot, TAIL=tokens.shape[2] > 0,
-        STATS=stats is not None, NQ=rows.n_queries, ONE=rows.n_queries == 1, num_warps=4 if dim < 256 else 8,
+        STATS=stats is not None, NQ=rows.n_queries, ONE=rows.n_queries == 1, STATE=state is not None,
+        num_warps=4 if dim < 256 else 8,
     )  # fmt: skip
     return out

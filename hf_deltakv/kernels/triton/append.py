@@ -35,6 +35,8 @@ from .common import (
     program,
     rope_cos_sin,
     saturate_fp16,
+    spread,
+    step_state,
 )
 from .decode_attention import F16, Q3_SYM, Q4_ASYM, Q8, ROW_KINDS
 
@@ -48,10 +50,11 @@ def _rows(n: int) -> int:
 
 @triton.jit(do_not_specialize=("at", "n"))
 def _undo_rope_kernel(
-    k_ptr, pos_ptr, freq_ptr, order_ptr, out_ptr,
-    heads, at, n,
-    skb, skh, skt, skd, spb, spt, sob, soh, sot,
-    D: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr, ROWS: tl.constexpr,
+    k_ptr, pos_ptr, freq_ptr, order_ptr, out_ptr, state_ptr, ids_ptr, sink_ptr,
+    heads, at, n, sinks, group, pad, capacity,
+    skb, skh, skt, skd, spb, spt, sob, soh, sot, sib, ssb, ssh, sst,
+    D: tl.constexpr, ROPE: tl.constexpr, ORDER: tl.constexpr, ROWS: tl.constexpr, STATE: tl.constexpr,
+    IDS: tl.constexpr, SINK_F16: tl.constexpr,
 ):  # fmt: skip
     tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
@@ -60,6 +63,18 @@ def _undo_rope_kernel(
     t = tile * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     live = t < n
     row = k_ptr + b * skb + h * skh + t * skt
+    if STATE:  # a decoding step of a layer with device counters (`step.append_step`): its row and position on device
+        held, coded, _, _, _ = step_state(state_ptr, sinks, pad, group, capacity)
+        position = (tl.load(ids_ptr + b * sib) if IDS else held).to(tl.int32)
+        room = held < capacity  # (past the capacity nothing is written; the host refuses the next step)
+        tl.store(pos_ptr + b * spb + held * spt, position, mask=room & (h == 0))
+        sink = room & (held < sinks)  # raw into the sinks, in the model's channel order (`ops.to_sinks`)
+        for part in tl.static_range(2):
+            x = tl.load(row + (c + part * half) * skd).to(tl.float32)
+            x = saturate_fp16(x) if SINK_F16 else x
+            tl.store(sink_ptr + b * ssb + h * ssh + held * sst + part * half + c, x, mask=spread(sink, c))
+        at = held - sinks - tl.where(coded > 0, coded * group - pad, 0)
+        live = live & spread(room & (held >= sinks), t)
     out = out_ptr + b * sob + h * soh + (at + t) * sot
     if ORDER:  # canonical channel c is the model's channel order[c]
         lo_at, hi_at = tl.load(order_ptr + c), tl.load(order_ptr + half + c)
@@ -68,7 +83,10 @@ def _undo_rope_kernel(
     lo = tl.load(row + lo_at * skd, mask=live, other=0.0).to(tl.float32)
     hi = tl.load(row + hi_at * skd, mask=live, other=0.0).to(tl.float32)
     if ROPE:  # rotate_pairs(x, cos, -sin)
-        cos, sin = rope_cos_sin(tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0), tl.load(freq_ptr + c))
+        if STATE:
+            cos, sin = rope_cos_sin(position, tl.load(freq_ptr + c))
+        else:
+            cos, sin = rope_cos_sin(tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0), tl.load(freq_ptr + c))
         lo, hi = lo * cos + hi * sin, hi * cos - lo * sin
     tl.store(out + c, saturate_fp16(lo).to(tl.float16), mask=live)
     tl.store(out + half + c, saturate_fp16(hi).to(tl.float16), mask=live)
@@ -90,10 +108,10 @@ def undo_rope_into(
     pos = positions if rope else keys
     rows = _rows(n)
     on_device(_undo_rope_kernel)[(triton.cdiv(n, rows), batch * heads)](
-        keys, pos, freqs if rope else keys, order if order is not None else keys, target,
-        heads, at, n,
-        *keys.stride(), pos.stride(0), pos.stride(-1), *target.stride()[:3],
-        D=dim, ROPE=rope, ORDER=order is not None, ROWS=rows, **EXACT,
+        keys, pos, freqs if rope else keys, order if order is not None else keys, target, keys, keys, keys,
+        heads, at, n, 0, 1, 0, 0,
+        *keys.stride(), pos.stride(0), pos.stride(-1), *target.stride()[:3], 0, 0, 0, 0,
+        D=dim, ROPE=rope, ORDER=order is not None, ROWS=rows, STATE=False, IDS=False, SINK_F16=False, **EXACT,
     )  # fmt: skip
 
 
@@ -158,14 +176,23 @@ def _finite_floor(scaled):
 
 @triton.jit(do_not_specialize=("at", "n"))
 def _quantize_rows_kernel(
-    x_ptr, codes_ptr, scales_ptr, mins_ptr,
-    heads, at, n,
-    sxb, sxh, sxt, sxd, scb, sch, sct, ssb, ssh, sst,
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, state_ptr, sink_ptr,
+    heads, at, n, sinks, group, pad, capacity,
+    sxb, sxh, sxt, sxd, scb, sch, sct, ssb, ssh, sst, skb, skh, skt,
     D: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, STAGES: tl.constexpr, SCALE: tl.constexpr,
-    DIVISORS: tl.constexpr, ROWS: tl.constexpr,
+    DIVISORS: tl.constexpr, ROWS: tl.constexpr, STATE: tl.constexpr, SINK_F16: tl.constexpr,
 ):  # fmt: skip
     tile, bh = program(0), program(1)
     b, h = bh // heads, bh % heads
+    if STATE:  # a decoding step of a layer with device counters (`step.append_step`): one token, its row on device
+        held, _, _, _, _ = step_state(state_ptr, sinks, pad, group, capacity)
+        room = held < capacity
+        raw = tl.load(x_ptr + b * sxb + h * sxh + tl.arange(0, D) * sxd).to(tl.float32)
+        raw = saturate_fp16(raw) if SINK_F16 else raw  # into the sinks raw (`ops.to_sinks`)
+        e = tl.arange(0, D)
+        tl.store(sink_ptr + b * skb + h * skh + held * skt + e, raw, mask=spread(room & (held < sinks), e))
+        at = held - sinks
+        n = tl.where(room & (held >= sinks), 1, 0)
     t = tile * ROWS + tl.arange(0, ROWS)[:, None]
     x = tl.load(x_ptr + b * sxb + h * sxh + t * sxt + tl.arange(0, D)[None, :] * sxd, mask=t < n, other=0.0)
     x = x.to(tl.float32)  # [ROWS, D]
@@ -241,15 +268,20 @@ def quantize_at(
     scales = target.scales if target.scales is not None else codes  # (f16: no scales)
     mins = target.mins if target.mins is not None else scales
     rows = _rows(n)
-    divisors = SCALE_SEARCH[4 if form.kind == Kind.Q3_SYM else 8]
     on_device(_quantize_rows_kernel)[(triton.cdiv(n, rows), batch * heads)](
-        x, codes, scales, mins,
-        heads, at, n,
-        *x.stride(), *codes.stride()[:3], *scales.stride()[:3],
-        D=dim, BS=form.block_size, KIND=int(form.kind), STAGES=log2_of(rotation),
-        SCALE=rotation_scale(rotation) if rotation else 1.0,
-        DIVISORS=tuple(float(d) for d in (divisors if search_scale else divisors[:1])), ROWS=rows, **EXACT,
+        x, codes, scales, mins, x, x,
+        heads, at, n, 0, 1, 0, 0,
+        *x.stride(), *codes.stride()[:3], *scales.stride()[:3], 0, 0, 0,
+        **_quantize_constants(form, dim, rotation, search_scale), ROWS=rows, STATE=False, SINK_F16=False, **EXACT,
     )  # fmt: skip
+
+
+def _quantize_constants(form, dim: int, rotation: int, search_scale: bool) -> dict:
+    """The constants `_quantize_rows_kernel` codes `form` with (rows of `dim`, Hadamard blocks of `rotation`)."""
+    divisors = SCALE_SEARCH[4 if form.kind == Kind.Q3_SYM else 8]
+    return dict(D=dim, BS=form.block_size, KIND=int(form.kind), STAGES=log2_of(rotation),
+                SCALE=rotation_scale(rotation) if rotation else 1.0,
+                DIVISORS=tuple(float(d) for d in (divisors if search_scale else divisors[:1])))  # fmt: skip
 
 
 @triton.jit
@@ -277,18 +309,18 @@ def add_query_energy(
     grouped = query.reshape(batch, kv_heads, heads * rows // kv_heads, 1, dim)  # a view for both transformers layouts
     out = torch.empty(batch, kv_heads, 1, dim, dtype=torch.float32, device=query.device)
     on_device(_query_energies_kernel)[(batch * kv_heads,)](
-        grouped, order if order is not None else grouped, total if total is not None else out, out,
-        kv_heads, 1, 0, 1, 1, *grouped.stride(),
-        GROUP=grouped.shape[2], D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
+        grouped, order if order is not None else grouped, total if total is not None else out, out, out, out,
+        kv_heads, 1, 0, 1, 1, 0, 0, 0, 0, *grouped.stride(),
+        GROUP=grouped.shape[2], D=dim, ORDER=order is not None, TOTAL=total is not None, STATE=False, **EXACT,
     )  # fmt: skip
     return out[:, :, 0]
 
 
 @triton.jit(do_not_specialize=("n", "first", "kept"))
 def _query_energies_kernel(
-    q_ptr, order_ptr, total_ptr, out_ptr,
-    kv_heads, n, first, group, kept, sqb, sqh, sqg, sqn, sqd,
-    GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr,
+    q_ptr, order_ptr, total_ptr, out_ptr, state_ptr, before_ptr,
+    kv_heads, n, first, group, kept, sinks, pad, capacity, lead, sqb, sqh, sqg, sqn, sqd,
+    GROUP: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr, TOTAL: tl.constexpr, STATE: tl.constexpr,
 ):  # fmt: skip
     bh = program(0)
     b, h = bh // kv_heads, bh % kv_heads
@@ -300,6 +332,20 @@ def _query_energies_kernel(
         lo_at, hi_at = c, c + half
     lower = tl.zeros((half,), tl.float32)  # (0 + e == e exactly: the reference's first sum without a total)
     upper = tl.zeros((half,), tl.float32)
+    if STATE:  # a decoding step with device counters (`step.attention_step`): `ops.adaptive_attention`'s tests
+        held, coded, observed, _, complete = step_state(state_ptr, sinks, pad, group, capacity)
+        new = held - 1 >= observed  # (a position is observed once)
+        keep = new & (held % group == 0) & (held // group >= coded + complete.to(tl.int64) + lead)
+        lower = tl.load(total_ptr + bh * D + c, mask=spread(observed > 0, c), other=0.0)
+        upper = tl.load(total_ptr + bh * D + half + c, mask=spread(observed > 0, c), other=0.0)
+        energy = _mean_energy(q_ptr + b * sqb + h * sqh, sqg, sqd, lo_at, hi_at, GROUP)
+        lower, upper = lower + energy, upper + energy
+        new, keep = spread(new, c), spread(keep, c)
+        tl.store(out_ptr + bh * D + c, lower, mask=new)  # the running sum
+        tl.store(out_ptr + bh * D + half + c, upper, mask=new)
+        tl.store(before_ptr + bh * D + c, lower, mask=keep)  # the sum the next group's depths are placed by
+        tl.store(before_ptr + bh * D + half + c, upper, mask=keep)
+        return
     if TOTAL:
         lower = tl.load(total_ptr + bh * D + c)
         upper = tl.load(total_ptr + bh * D + half + c)
@@ -327,8 +373,8 @@ def add_query_energies(
     kept = len(group_starts(first, n, group)) + 1
     out = torch.empty(batch, kv_heads, kept, dim, dtype=torch.float32, device=query.device)
     on_device(_query_energies_kernel)[(batch * kv_heads,)](
-        grouped, order if order is not None else grouped, total if total is not None else out, out,
-        kv_heads, n, first, group, kept, *grouped.stride(),
-        GROUP=heads // kv_heads, D=dim, ORDER=order is not None, TOTAL=total is not None, **EXACT,
+        grouped, order if order is not None else grouped, total if total is not None else out, out, out, out,
+        kv_heads, n, first, group, kept, 0, 0, 0, 0, *grouped.stride(),
+        GROUP=heads // kv_heads, D=dim, ORDER=order is not None, TOTAL=total is not None, STATE=False, **EXACT,
     )  # fmt: skip
     return out

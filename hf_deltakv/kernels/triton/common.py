@@ -112,6 +112,26 @@ def program(axis: tl.constexpr):
 
 
 @triton.jit
+def step_state(state_ptr, sinks, pad, group, capacity):
+    """A preallocated `DeltaKVCache` layer's device counters (`ops.TOKENS`, `CODED`, `OBSERVED`, `BEFORE`: int64) as a
+    decoding step's kernels read them (`step.py`): the tokens held (at most `capacity`), the key groups coded, the
+    positions observed, the position summed, and whether the newest token completed a key group (`ops
+    .adaptive_attention`'s test: the stream's first group starts `pad` slots early)."""
+    held = tl.minimum(tl.load(state_ptr), capacity)
+    coded = tl.load(state_ptr + 1)
+    stream = tl.maximum(held - sinks, 0)
+    complete = (stream > 0) & ((pad + stream) % group == 0) & ((pad + stream) // group > coded)
+    return held, coded, tl.load(state_ptr + 2), tl.load(state_ptr + 3), complete
+
+
+@triton.jit
+def spread(flag, like):
+    """A scalar predicate `flag` as a mask of `like`'s shape (an integer block): the interpreter refuses a scalar
+    bool broadcast into a block's mask, which a GPU takes."""
+    return (like * 0 + tl.where(flag, 1, 0)) != 0
+
+
+@triton.jit
 def programs(axis: tl.constexpr):
     """`tl.num_programs(axis)` in int64 (see `program`)."""
     return tl.num_programs(axis).to(tl.int64)
