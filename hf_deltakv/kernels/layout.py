@@ -79,6 +79,26 @@ class RopeAngles:
         return rope_cos_sin(self.positions[:, start:end], self.freqs)
 
 
+def stored_inputs(
+    query: torch.Tensor,
+    sink_keys: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor | None,
+    order: torch.Tensor | None,
+    end: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, RopeAngles | None]:
+    """What an attention kernel over a preallocated layer's storage takes for a step's `query` `[batch, heads, n, dim]`
+    and its raw `sink_keys` `[batch, kv_heads, sinks, dim]`: both in the stored keys' channel order (`order`: the
+    canonical order of `hf_deltakv.rope`, None when keys are stored as given), the query as `[batch, kv_heads,
+    heads / kv_heads, n, dim]` (a view), and the RoPE of the stream's tokens (the positions after the sinks, up to
+    `end`; None without `freqs`: keys stored after RoPE)."""
+    sinks, kv_heads = sink_keys.shape[2], sink_keys.shape[1]
+    if order is not None:
+        query, sink_keys = query[..., order], sink_keys[..., order]
+    rope = RopeAngles(positions[:, sinks:end], freqs) if freqs is not None else None
+    return query.unflatten(1, (kv_heads, query.shape[1] // kv_heads)), sink_keys, rope
+
+
 @dataclass(frozen=True)
 class PlainStream:
     """Every token quantized on its own: `blocks` `[batch, heads, length, ...]` in one block format."""

@@ -30,7 +30,7 @@ from .layout import (
     DeltaStream,
     KeptStream,
     PlainStream,
-    RopeAngles,
+    stored_inputs,
 )
 from .online_softmax import OnlineSoftmax
 
@@ -294,7 +294,7 @@ def _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs,
     from . import stream_attention
 
     batch, heads, n, _ = query.shape
-    sinks, kv_heads, value_dim = sink_keys.shape[2], sink_keys.shape[1], sink_values.shape[-1]
+    sinks, value_dim = sink_keys.shape[2], sink_values.shape[-1]
     mask = None if mask is None else mask[:, :, :held]
     if mask is not None and n == 1 and mask.device.type == "cpu" and bool(mask.all()):
         mask = None  # (every token visible: the causal rule is the same, and the kernel reads no mask)
@@ -303,20 +303,9 @@ def _attend(query, mask, sink_keys, sink_values, keys, values, positions, freqs,
         state = OnlineSoftmax(query, scale, None if mask is None else mask[:, None], held)
         state.add(sink_k, sink_v)
         return state.result()
-    if order is not None:  # stored keys are canonical: so are the queries and sinks they meet
-        query, sink_k = query[..., order], sink_k[..., order]
-    out = stream_attention(
-        query.unflatten(1, (kv_heads, heads // kv_heads)),
-        sink_k,
-        sink_v,
-        keys,
-        values,
-        rope=RopeAngles(positions[:, sinks:held], freqs) if freqs is not None else None,
-        mask=mask,
-        n_queries=n,
-        causal_offset=held - n,
-        scale=scale,
-    )
+    grouped, sink_k, rope = stored_inputs(query, sink_k, positions, freqs, order, held)
+    out = stream_attention(grouped, sink_k, sink_v, keys, values, rope=rope, mask=mask, n_queries=n,
+                           causal_offset=held - n, scale=scale)  # fmt: skip
     return out.float().reshape(batch, heads, n, value_dim)
 
 

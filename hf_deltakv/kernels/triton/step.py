@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...quant import Kind, QuantizedTensor, check_search_scale
-from ..layout import AdaptiveStream, PlainStream, RopeAngles
+from ..layout import AdaptiveStream, PlainStream, stored_inputs
 from . import adaptive_code, append
 from .adaptive_attention import adaptive_attention
 from .common import EXACT, on_device, step_state
@@ -149,10 +149,7 @@ def attention_step(
     keys = AdaptiveStream(planes=planes, bits=depths, low=low, step=step, tail=tail, group=group, offset=pad, dim=dim,
                           length=stream)  # fmt: skip
     plain = PlainStream(values, values.dim, stream, rotation)
-    sink_k = sink_keys
-    if order is not None:  # stored keys are canonical: so are the queries and sinks they meet
-        query, sink_k = query[..., order], sink_keys[..., order]
-    rope = RopeAngles(positions[:, sinks:], freqs) if freqs is not None else None
-    out = adaptive_attention(query.unflatten(1, (kv_heads, heads // kv_heads)), sink_k, sink_values, keys, plain,
-                             rope=rope, mask=mask, scale=scale, state=(state, capacity))  # fmt: skip
+    grouped, sink_k, rope = stored_inputs(query, sink_keys, positions, freqs, order)
+    out = adaptive_attention(grouped, sink_k, sink_values, keys, plain, rope=rope, mask=mask, scale=scale,
+                             state=(state, capacity))  # fmt: skip
     return out.reshape(batch, heads, 1, sink_values.shape[-1])
