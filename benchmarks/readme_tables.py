@@ -110,6 +110,7 @@ CURRENT = (
     "long_context.json",
     "value_sensitivity.json",
     "value_basis.json",
+    "value_basis_tables.json",
     "compiled_decode.json",
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
@@ -495,9 +496,21 @@ def results() -> None:
             f"{cfg['sinks']} tokens raw), for value coders below four bits: the bases, means and bits calibrated on "
             f"{cfg['calib']}, measured on WikiText-2 validation (`(self)`: fitted on the measured window's own values, "
             "`(prefix)`: on its first half; the options: `value_basis.py`'s docstring). Bits a value count the codes "
-            "and the per-token or per-block fp16 scales; the per-model tables are not spread over tokens.\n"
+            "and the per-token or per-block fp16 scales; the per-model tables are not spread over tokens, the "
+            "per-sequence ones (fitted on the window) are in their own column: spread over the window's tokens, and "
+            "over 8K and 32K.\n"
         )
         print("\n\n".join(basis_table(result) for result in basis["results"]))
+    tables = _load("value_basis_tables.json")
+    if tables:
+        print(
+            "\n### What a prompt-fitted basis's tables cost (`value_basis.py --only fallback`, "
+            "`value_basis_tables.json`)\n\n"
+            "The coders with the fallback again, with two cheaper tables per sequence: `(spreads: ...)` keeps the "
+            "directions calibrated per model and fits only the mean, the spreads along them and the bits on the "
+            "window (or its first half); `table=int8` holds the fitted basis in 8 bits.\n"
+        )
+        print("\n\n".join(basis_table(result) for result in tables["results"]))
     cost = _load("encode_cost.json")
     if cost:
         cfg = cost["config"]

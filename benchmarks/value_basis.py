@@ -24,7 +24,10 @@ first `SINKS` tokens raw: `value_sensitivity.py`'s protocol, an attention functi
   it);
 - `(self)`: the basis, mean and bits fitted on each measured window's own values (what a cache fitting at prefill
   from the prompt would have for the prompt's tokens; the others are calibrated on another text); `(prefix)`: fitted
-  on the window's first half, used for all of it (a prompt's basis serving the tokens decoded after it).
+  on the window's first half, used for all of it (a prompt's basis serving the tokens decoded after it); `(spreads:
+  self)`, `(spreads: prefix)`: the directions calibrated on another text (a per-model table), the mean, the spreads
+  along them and so the bits fitted on the window (or its first half);
+- `table=int8`: the basis matrix held in 8 bits (an fp16 scale a direction), the coder applying that matrix.
 
 Options of the coders in `VARIANTS` (the label says them): `scale=max` (a token's scale from its largest coefficient,
 nothing clipped, as a q3_0 block's; default: from its RMS, the Gaussian quantizer clipping the tails), `floor=N`
@@ -37,8 +40,10 @@ coarsen every direction for it) and the direction's calibrated spread, then quan
 quantizer of least error for a unit Gaussian (`scale=max`: 2^b levels evenly over ± 1; 0 bits: dropped).
 Calibration: `--calib` (default the Python standard library's code) for `--calib-windows` windows of `--ctx` tokens;
 measurement: WikiText-2 validation windows (tuning never reads test). Bits count the codes and the per-token scale (or
-the block scales); the per-model tables (a head_dim² matrix, a mean and the bits per head) are reported in bytes, not
-spread over tokens.
+the block scales). The per-model tables (a head_dim² matrix, a mean and the bits per head) are reported in bytes, not
+spread over tokens. What a cache fitting at prefill holds per sequence and kv head (`table_bytes`: the matrix, or for
+`spreads` only the mean, spreads and bits) is not in the first bits column either: the tables' column spreads it over
+the window's tokens and over 8K and 32K (a prompt's tables serve every token of the sequence).
 
 Predicted gain per head at high rate: ½·log₂(AM/GM) of the eigenvalues; at rate R: ½·log₂ of the squared error of a
 flat spectrum over that of the water-filled one, both with the same integer quantizers.
@@ -51,6 +56,7 @@ Written to benchmarks/results/value_basis.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -60,11 +66,18 @@ import torch
 from paths import RESULTS, WIKITEXT_VALID, machine
 from value_sensitivity import SINKS, coded, rotated_blocks
 
+from hf_deltakv.kernels.basis import (  # (the codec's reference: these are its quantizers, allocation, fallback)
+    FALLBACK,
+    MAX_SEARCH,
+    RMS_IN_MAX,
+    WEIGHT_FLOOR,
+    allocate,
+    gaussian_quantizers,
+)
 from hf_deltakv.kernels.hadamard import rotate
 from hf_deltakv.quant import FP16_MAX
 
 PROBE = "hf_deltakv_value_basis"
-MAX_BITS = 8
 RATES = (2.5, 3.0, 3.5, 4.5)  # (the predicted gains' rates)
 # The coders measured beside today's (`fit`'s kinds and options; `self`: fitted on the measured window's values)
 VARIANTS = (
@@ -88,58 +101,18 @@ VARIANTS = (
     {"kind": "basis", "self": "prefix", "options": {"scale": "max", "floor": 2}, "fallback": True},
     {"kind": "basis", "self": True, "rate": 4.5, "options": {"scale": "max", "floor": 2}, "fallback": True},
     {"kind": "basis", "options": {"scale": "max", "floor": 2}, "fallback": True},
+    {"kind": "basis", "self": "spreads", "options": {"scale": "max", "floor": 2}, "fallback": True},
+    {"kind": "basis", "self": "spreads-prefix", "options": {"scale": "max", "floor": 2}, "fallback": True},
+    {"kind": "basis", "self": "prefix", "options": {"scale": "max", "floor": 2, "table": "int8"}, "fallback": True},
     {"kind": "basis", "rate": 3.0, "options": {"scale": "max", "floor": 2}},
     {"kind": "basis", "rate": 4.5, "options": {"scale": "max", "floor": 2}},
 )
 NORM_BITS = 16  # one fp16 scale per token and head
-FALLBACK = {3.5: "q3_0", 4.5: "q4_0"}  # today's rotated blocks at a rate (`+fallback`)
 SCALE_SEARCH = (0.8, 1.0, 1.25, 1.6, 2.0, 2.5, 3.2, 4.0)  # multiples of a token's RMS tried as its scale
-MAX_SEARCH = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)  # multiples of its largest coefficient (`HeadCoders` "max")
-RMS_IN_MAX = (2.0, 2.5, 3.0, 4.0)  # ... and multiples of its coefficients' RMS (the largest clipped)
-WEIGHT_FLOOR = 1e-3  # the smallest spread a direction is coded with, relative to the directions' RMS spread
+TABLE_AT = (8192, 32768)  # context lengths the per-sequence tables are also spread over in the tables
 
 
-def _gaussian_quantizers() -> tuple[list[float], list[float]]:
-    """Step and mean squared error of the uniform quantizer (2^b levels, midrise) of least error for a unit Gaussian,
-    for b = 0..MAX_BITS (b = 0: nothing stored, error 1), found by golden-section search on a numeric integral."""
-    x = torch.linspace(-12, 12, 480_001, dtype=torch.float64)
-    pdf = torch.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (x[1] - x[0])
-
-    def error(bits: int, step: float) -> float:
-        half = 2 ** (bits - 1)
-        code = torch.clamp(torch.floor(x / step), -half, half - 1)
-        return float(((x - (code + 0.5) * step) ** 2 * pdf).sum())
-
-    steps, errors = [0.0], [1.0]
-    for bits in range(1, MAX_BITS + 1):
-        low, high = 1e-3, 4.0
-        for _ in range(60):
-            a, b = low + (high - low) * 0.382, low + (high - low) * 0.618
-            if error(bits, a) < error(bits, b):
-                high = b
-            else:
-                low = a
-        step = (low + high) / 2
-        steps.append(step)
-        errors.append(error(bits, step))
-    return steps, errors
-
-
-STEPS, ERRORS = _gaussian_quantizers()
-
-
-def allocate(spread: torch.Tensor, total: int, floor: int = 0) -> torch.Tensor:
-    """Integer bits (`floor`..MAX_BITS) per direction of variances `spread` `[D]` summing to `total`: reverse
-    water-filling with the quantizers' own errors (each bit to the direction whose error it lowers most; optimal, the
-    errors being convex in the bits), every direction given `floor` bits first."""
-    bits = torch.full((spread.shape[0],), min(floor, total // spread.shape[0]), dtype=torch.long)
-    errors = torch.tensor(ERRORS, dtype=torch.float64)
-    variance = spread.double().clamp_min(0)
-    for _ in range(min(total - int(bits.sum()), MAX_BITS * spread.shape[0] - int(bits.sum()))):
-        gain = variance * (errors[bits] - errors[(bits + 1).clamp_max(MAX_BITS)])
-        gain[bits >= MAX_BITS] = -1
-        bits[int(gain.argmax())] += 1
-    return bits
+STEPS, ERRORS = gaussian_quantizers()
 
 
 def budget(rate: float, dim: int) -> int:
@@ -218,10 +191,13 @@ class Fallback:
 
 
 def fit(stats: dict, rate: float, kind: str, metric: torch.Tensor | None = None, floor: int = 0,
-        scale: str = "rms") -> HeadCoders:  # fmt: skip
+        scale: str = "rms", directions: torch.Tensor | None = None, table: str = "fp16") -> HeadCoders:  # fmt: skip
     """The coders of one layer from its values' statistics (`count`, `sum` `[H, D]`, `outer` `[H, D, D]`, float64):
     `kind` `basis`, `basis-flat`, `basis-nomean`, `basis-wo` (with `metric` `[H, D, D]`), `norm-rot`,
-    `mean+norm-rot`; every direction at least `floor` bits; `scale` as `HeadCoders`."""
+    `mean+norm-rot`; every direction at least `floor` bits; `scale` as `HeadCoders`. `directions` `[H, D, D]` (kind
+    `basis`: orthonormal columns, another fit's): kept, only the mean, the spreads along them and the bits fitted
+    here. `table` `int8`: the basis matrix as a decoder would hold it in 8 bits (each direction's entries over one
+    scale, `int8_rows`), the coder applying that matrix both ways."""
     count, total, outer = stats["count"], stats["sum"], stats["outer"]
     heads, dim = total.shape
     mean = total / count
@@ -237,6 +213,10 @@ def fit(stats: dict, rate: float, kind: str, metric: torch.Tensor | None = None,
         root_inverse = vectors @ torch.diag_embed(eigen.rsqrt()) @ vectors.transpose(1, 2)
         variance, basis = torch.linalg.eigh(root @ second @ root)
         forward, back = basis.transpose(1, 2) @ root, root_inverse @ basis
+    elif kind == "basis" and directions is not None:
+        basis = directions.double()
+        variance = torch.einsum("hde,hdf,hfe->he", basis, second, basis)
+        forward, back = basis.transpose(1, 2), basis
     elif kind.startswith("basis"):
         variance, basis = torch.linalg.eigh(second)
         forward, back = basis.transpose(1, 2), basis
@@ -249,8 +229,30 @@ def fit(stats: dict, rate: float, kind: str, metric: torch.Tensor | None = None,
         variance = variance.mean(-1, keepdim=True).expand(heads, dim)
     variance = variance.clamp_min(0)
     bits = torch.stack([allocate(v, budget(rate, dim), floor) for v in variance])
+    if table == "int8":  # (orthonormal bases only: the rounded matrix is applied both ways)
+        forward = int8_rows(forward)
+        back = forward.transpose(1, 2)
     return HeadCoders(mean.float(), forward.float(), back.transpose(1, 2).float(), variance.sqrt().float(), bits,
                       scale)  # fmt: skip
+
+
+def int8_rows(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix` `[H, e, d]` as 8-bit codes times one fp16 scale per row `e` (a direction), decoded."""
+    scale = (matrix.abs().amax(-1, keepdim=True) / 127).half().double().clamp_min(1e-30)
+    return torch.round(matrix / scale).clamp(-127, 127) * scale
+
+
+def table_bytes(kind: str, dim: int, fitted: str, table: str = "fp16") -> int:
+    """Bytes of one kv head's tables that a cache fitting at prefill holds per sequence (`fitted`: `model`, calibrated
+    once per model: none; `sequence`: the basis matrix (fp16, or int8 with an fp16 scale a direction), the mean and
+    spreads in fp16, 4 bits a direction's bits; `spreads`: the directions calibrated per model, the mean, spreads and
+    bits per sequence)."""
+    if fitted == "model" or "basis" not in kind:
+        return 0
+    small = 2 * dim * 2 + dim // 2  # (mean and spreads in fp16, the bits in 4 bits each)
+    if fitted == "spreads":
+        return small
+    return small + (dim * dim + 2 * dim if table == "int8" else 2 * dim * dim)
 
 
 def predicted_gain(variance: torch.Tensor, rate: float) -> float:
@@ -393,15 +395,15 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
     result = {"model": name, "layers": layers, "kv_heads": kv_heads, "head_dim": dim, "ctx": ctx, "windows": windows,
               "calibration": {"text": calib, "windows": calib_windows}, "measured_on": WIKITEXT_VALID.name,
               "heads": heads, "variants": []}  # fmt: skip
-    table_bytes = 2 * kv_heads * (dim * dim + dim) + kv_heads * dim  # fp16 matrix and mean, a byte of bits a direction
-    result["table_bytes_per_layer"] = table_bytes
+    # a per-model table (calibrated bases): fp16 matrix and mean, a byte of bits a direction
+    result["table_bytes_per_layer"] = 2 * kv_heads * (dim * dim + dim) + kv_heads * dim
 
-    def add(label: str, bits: float, code, coders: list | None = None) -> None:
+    def add(label: str, bits: float, code, coders: list | None = None, table: int = 0) -> None:
         if only and only not in label:
             return
         value, mse, output_mse = kl(code)
         result["variants"].append({"variant": label, "bits": bits, "kl": value, "value_mse": mse,
-                                   "output_mse": output_mse})  # fmt: skip
+                                   "output_mse": output_mse, "sequence_table_bytes": table})  # fmt: skip
         fallen = [c for c in coders or [] if isinstance(c, Fallback)]
         if fallen:  # (the share of token-heads the blocks coded)
             result["variants"][-1]["fallback_share"] = sum(c.fallen for c in fallen) / sum(c.tokens for c in fallen)
@@ -409,6 +411,12 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
               file=sys.stderr, flush=True)  # fmt: skip
 
     means = {layer: (calibration[layer]["sum"] / calibration[layer]["count"]).float() for layer in range(layers)}
+    calibrated_directions = {}  # layer -> the calibration's eigenvectors `[H, D, D]` (columns)
+    for layer in range(layers):
+        stats = calibration[layer]
+        mean = stats["sum"] / stats["count"]
+        covariance = stats["outer"] / stats["count"] - mean[:, :, None] * mean[:, None, :]
+        calibrated_directions[layer] = torch.linalg.eigh(covariance)[1]
     add("q3_0-rot", 3.5, lambda layer, v, i: coded(v, "q3_0"))
     add("q4_0-rot", 4.5, lambda layer, v, i: coded(v, "q4_0"))
     add("mean+q3_0-rot", 3.5,
@@ -419,18 +427,25 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
         label = kind + "".join(f"/{k}={v}" for k, v in options.items()) + (f"@{rate}" if "basis" in kind else "")
         bits, fallback = rate, bool(spec.get("fallback"))
 
-        def made(stats, layer, rate=rate, kind=kind, options=options, fallback=fallback):
-            coder = fit(stats, rate, kind, metrics[layer], **options)
+        def made(stats, layer, rate=rate, kind=kind, options=options, fallback=fallback, directions=None):
+            given = None if directions is None else directions[layer]
+            coder = fit(stats, rate, kind, metrics[layer], directions=given, **options)
             return Fallback(coder, FALLBACK[rate]) if fallback else coder
 
         if fallback:
             label, bits = label.replace("@", "+fallback@"), rate + 1 / dim
-        if spec.get("self"):  # fitted on each measured window's own values (its first half: "prefix")
-            source = own_prefix if spec["self"] == "prefix" else own
+        fitted_on = spec.get("self")
+        if fitted_on:  # fitted on each measured window's own values (its first half: "prefix"; "spreads": the
+            # directions calibrated, the mean, spreads and bits from the window)
+            source = own_prefix if str(fitted_on).endswith("prefix") else own
+            if str(fitted_on).startswith("spreads"):
+                made = functools.partial(made, directions=calibrated_directions)
             selves = [{layer: made(o[layer], layer) for layer in range(layers)} for o in source]
-            add(label + (" (prefix)" if spec["self"] == "prefix" else " (self)"), bits,
-                keep_sinks(lambda layer, i, selves=selves: selves[i][layer]),
-                [c for s in selves for c in s.values()])  # fmt: skip
+            tag = {True: "self", "prefix": "prefix", "spreads": "spreads: self", "spreads-prefix": "spreads: prefix"}
+            table = table_bytes(kind, dim, "spreads" if str(fitted_on).startswith("spreads") else "sequence",
+                                options.get("table", "fp16"))  # fmt: skip
+            add(f"{label} ({tag[fitted_on]})", bits, keep_sinks(lambda layer, i, selves=selves: selves[i][layer]),
+                [c for s in selves for c in s.values()], table)  # fmt: skip
         else:
             fitted = {layer: made(calibration[layer], layer) for layer in range(layers)}
             add(label, bits, keep_sinks(lambda layer, i, fitted=fitted: fitted[layer]), list(fitted.values()))
@@ -462,13 +477,33 @@ def markdown(result: dict) -> str:
              f"{s['am_gm_bits']['mean']:.2f}, max {s['am_gm_bits']['max']:.2f} bits; water-filled at 3.5 bits median "
              f"{s['gain_bits_3.5']['median']:.2f}, max {s['gain_bits_3.5']['max']:.2f}. The head's mean carries a "
              f"median {s['mean_share']['median']:.0%} (max {s['mean_share']['max']:.0%}) of its values' energy.", "",
-             "| values coded as | bits a value | KL | values' relative squared error | attention output's (after "
-             "o_proj) |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+             "| values coded as | bits a value | with the tables fitted per sequence: at the window's "
+             f"{result['ctx'] - SINKS:,} tokens / {' / '.join(f'{t // 1024}K' for t in TABLE_AT)} | KL | values' "
+             "relative squared error | attention output's (after o_proj) |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in result["variants"]:
         share = f" (blocks: {row['fallback_share']:.0%} of token-heads)" if "fallback_share" in row else ""
-        lines.append(f"| {row['variant']}{share} | {row['bits']:.3f} | {row['kl']:.5f} | {row['value_mse']:.4f} | "
-                     f"{row['output_mse']:.4f} |")  # fmt: skip
+        table = sequence_table(row, result["head_dim"])
+        spread = " / ".join(f"{with_tables(row['bits'], table, result['head_dim'], t):.2f}"
+                            for t in (result["ctx"] - SINKS, *TABLE_AT)) if table else "–"  # fmt: skip
+        lines.append(f"| {row['variant']}{share} | {row['bits']:.3f} | {spread} | {row['kl']:.5f} | "
+                     f"{row['value_mse']:.4f} | {row['output_mse']:.4f} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def sequence_table(row: dict, dim: int) -> int:
+    """A measured variant's per-sequence table bytes per kv head: as recorded, or for rows measured before they were,
+    from the label (`(self)`, `(prefix)`: the whole tables; `(spreads: ...)`: the spreads' part)."""
+    if "sequence_table_bytes" in row:
+        return row["sequence_table_bytes"]
+    label = row["variant"]
+    fitted = "spreads" if "(spreads" in label else "sequence" if "(self)" in label or "(prefix)" in label else "model"
+    return table_bytes("basis" if "basis" in label else label, dim, fitted, "int8" if "int8" in label else "fp16")
+
+
+def with_tables(bits: float, table: int, dim: int, tokens: int) -> float:
+    """Bits a value once a head's per-sequence tables (`table` bytes) are spread over the `tokens` it codes."""
+    return bits + 8 * table / (tokens * dim)
 
 
 def main(argv: list[str] | None = None) -> int:

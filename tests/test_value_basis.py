@@ -15,26 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import value_basis as vb
 
 
-def test_gaussian_quantizers_are_the_known_optimal_uniform_ones():
-    assert vb.STEPS[1] == pytest.approx(1.596, abs=2e-3) and vb.ERRORS[1] == pytest.approx(0.3634, abs=1e-3)
-    assert vb.STEPS[2] == pytest.approx(0.996, abs=2e-3) and vb.ERRORS[2] == pytest.approx(0.1188, abs=1e-3)
-    for bits in range(1, vb.MAX_BITS):
-        assert vb.ERRORS[bits + 1] < vb.ERRORS[bits] and vb.STEPS[bits + 1] < vb.STEPS[bits]
-    assert vb.ERRORS[7] == pytest.approx(3.04e-4, rel=0.02) and vb.ERRORS[8] == pytest.approx(8.77e-5, rel=0.02)
-
-
-def test_allocation_spends_the_budget_by_reverse_water_filling():
-    spread = torch.tensor([16.0, 4.0, 1.0, 0.25, 1e-6, 0.0])
-    bits = vb.allocate(spread, 9)
-    assert int(bits.sum()) == 9 and bits.tolist() == sorted(bits.tolist(), reverse=True)
-    assert bits[-1] == 0 and bits[-2] == 0  # (what carries nothing gets nothing)
-    assert bits[0] - bits[1] == 1  # (a factor 4 of variance is about one bit)
-    flat = vb.allocate(torch.ones(64), 208)
-    assert set(flat.tolist()) == {3, 4} and int(flat.sum()) == 208
-    assert vb.allocate(torch.ones(4), 100).tolist() == [vb.MAX_BITS] * 4
-    assert vb.budget(3.5, 64) == 208 and vb.budget(3.5, 256) == 880  # (the fp16 scale counted)
-
-
 def test_predicted_gains_are_zero_for_a_flat_spectrum_and_grow_with_its_spread():
     assert vb.am_gm_bits(torch.ones(64)) == pytest.approx(0.0, abs=1e-9)
     assert vb.predicted_gain(torch.ones(64), 3.5) == pytest.approx(0.0, abs=1e-9)
@@ -120,3 +100,52 @@ def test_the_fallback_codes_each_token_the_way_that_errs_less():
     assert errors[0][0, 7] > 4 * errors[2][0, 7]  # (the outlier: the blocks' error is far smaller)
     assert 0 < fallback.fallen < 0.5 * tokens and fallback.tokens == tokens  # (the basis keeps most tokens)
     assert float(errors[1].sum()) < 0.8 * float(errors[2].sum())
+
+
+def test_given_directions_keep_them_and_fit_the_spreads_and_bits():
+    """`directions` (another fit's basis, a per-model table): the coder keeps them, its spreads are the window's
+    variance along them, and with the window's own eigenvectors it is the window's own fit."""
+    g = torch.Generator().manual_seed(5)
+    heads, tokens, dim = 2, 1024, 32
+    mixing = torch.linalg.qr(torch.randn(heads, dim, dim, generator=g))[0]
+    x = (torch.randn(heads, tokens, dim, generator=g) * torch.logspace(0.5, -1.5, dim)) @ mixing.transpose(1, 2)
+    stats = _statistics(x)
+    other = torch.linalg.qr(torch.randn(heads, dim, dim, generator=g, dtype=torch.float64))[0]
+    coder = vb.fit(stats, 3.5, "basis", directions=other, scale="max", floor=2)
+    torch.testing.assert_close(coder.forward, other.transpose(1, 2).float())
+    centred = x.double() - x.double().mean(1, keepdim=True)
+    variance = (centred @ other).pow(2).mean(1)  # [H, D]: along each given direction
+    torch.testing.assert_close(coder.spread.double(), variance.sqrt(), rtol=1e-4, atol=1e-6)
+    assert coder.bits.sum(-1).tolist() == [vb.budget(3.5, dim)] * heads and int(coder.bits.min()) == 2
+    own = torch.linalg.eigh(stats["outer"] / tokens - torch.einsum("hd,he->hde", *[stats["sum"] / tokens] * 2))[1]
+    errors = [float((c(x[None])[0] - x).pow(2).sum()) for c in (
+        vb.fit(stats, 3.5, "basis", directions=own, scale="max", floor=2), vb.fit(stats, 3.5, "basis", scale="max",
+                                                                                   floor=2), coder)]  # fmt: skip
+    assert errors[0] == pytest.approx(errors[1], rel=1e-4)
+    assert errors[0] < 0.7 * errors[2]  # (random directions carry no structure: the allocation has nothing to use)
+
+
+def test_an_int8_basis_codes_nearly_as_the_fp16_one():
+    g = torch.Generator().manual_seed(6)
+    heads, tokens, dim = 1, 1024, 64
+    mixing = torch.linalg.qr(torch.randn(heads, dim, dim, generator=g))[0]
+    x = (torch.randn(heads, tokens, dim, generator=g) * torch.logspace(0.5, -1.5, dim)) @ mixing.transpose(1, 2)
+    matrix = mixing.double().transpose(1, 2)
+    rounded = vb.int8_rows(matrix)
+    step = matrix.abs().amax(-1, keepdim=True) / 127
+    assert float(((rounded - matrix).abs() / step).max()) <= 0.5 + 1e-3 and not torch.equal(rounded, matrix)
+    assert len(torch.unique(torch.round(rounded[0, 0] / (rounded[0, 0].abs().max() / 127)))) <= 255
+    stats = _statistics(x)
+    errors = [float((vb.fit(stats, 3.5, "basis", scale="max", floor=2, table=t)(x[None])[0] - x).pow(2).sum())
+              for t in ("fp16", "int8")]  # fmt: skip
+    assert errors[0] < errors[1] < 1.1 * errors[0]
+
+
+def test_per_sequence_tables_are_counted_in_bytes_and_spread_over_the_tokens():
+    assert vb.table_bytes("basis", 64, "sequence") == 2 * 64 * 64 + 2 * 2 * 64 + 32  # (matrix, mean, spreads, bits)
+    assert vb.table_bytes("basis", 64, "sequence", "int8") == 64 * 64 + 2 * 64 + 2 * 2 * 64 + 32
+    assert vb.table_bytes("basis", 64, "spreads") == 2 * 2 * 64 + 32
+    assert vb.table_bytes("basis", 64, "model") == 0 and vb.table_bytes("norm-rot", 64, "sequence") == 0
+    # a prompt of 1,020 coded tokens at head_dim 64 carries its fp16 basis at about one bit a value more
+    assert vb.with_tables(3.5, vb.table_bytes("basis", 64, "sequence"), 64, 1020) == pytest.approx(4.539, abs=1e-3)
+    assert vb.with_tables(3.5, 0, 64, 1020) == 3.5

@@ -1,0 +1,126 @@
+"""The basis codec's reference (`kernels/basis.py`, issue 61): rows in the fallback format's bytes, the coding that
+errs less in each, its flag in the first scale's lowest bit, the map's coder (`benchmarks/value_basis.py`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_deltakv.kernels import basis
+from hf_deltakv.kernels.hadamard import rotate
+from hf_deltakv.quant import dequantize, quantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_gaussian_quantizers_are_the_known_optimal_uniform_ones():
+    steps, errors = basis.gaussian_quantizers()
+    assert steps[1] == pytest.approx(1.596, abs=2e-3) and errors[1] == pytest.approx(0.3634, abs=1e-3)
+    assert steps[2] == pytest.approx(0.996, abs=2e-3) and errors[2] == pytest.approx(0.1188, abs=1e-3)
+    for bits in range(1, basis.MAX_BITS):
+        assert errors[bits + 1] < errors[bits] and steps[bits + 1] < steps[bits]
+    assert errors[7] == pytest.approx(3.04e-4, rel=0.02) and errors[8] == pytest.approx(8.77e-5, rel=0.02)
+
+
+def test_allocation_spends_the_budget_by_reverse_water_filling():
+    spread = torch.tensor([16.0, 4.0, 1.0, 0.25, 1e-6, 0.0])
+    bits = basis.allocate(spread, 9)
+    assert int(bits.sum()) == 9 and bits.tolist() == sorted(bits.tolist(), reverse=True)
+    assert bits[-1] == 0 and bits[-2] == 0  # (what carries nothing gets nothing)
+    assert bits[0] - bits[1] == 1  # (a factor 4 of variance is about one bit)
+    flat = basis.allocate(torch.ones(64), 208)
+    assert set(flat.tolist()) == {3, 4} and int(flat.sum()) == 208
+    assert basis.allocate(torch.ones(4), 100).tolist() == [basis.MAX_BITS] * 4
+    # a row is the fallback's blocks: 3.5 bits a value at q3_0, the basis coding's scale out of them
+    assert basis.row_bytes("q3_0", 64) == 28 and basis.code_bits("q3_0", 64) == 208
+    assert basis.row_bytes("q4_0", 128) == 72 and basis.code_bits("q4_0", 256) == 4.5 * 256 - 16
+
+
+def _values(seed: int, heads: int, tokens: int, dim: int, steep: float) -> torch.Tensor:
+    """Values in a few strong directions of each head (a spectrum `steep` decades deep), mixed, off-centre."""
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.linalg.qr(torch.randn(heads, dim, dim, generator=g))[0]
+    spread = torch.logspace(0.5, 0.5 - steep, dim)
+    return (torch.randn(heads, tokens, dim, generator=g) * spread) @ mixing.transpose(1, 2) + 0.3
+
+
+def _blocks(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    return rotate(dequantize(quantize(rotate(x), fmt, search_scale=True)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), dim=st.sampled_from([32, 64, 128]), fmt=st.sampled_from(["q3_0", "q4_0"]),
+       steep=st.floats(0.0, 3.0), outliers=st.integers(0, 3), zeros=st.booleans())  # fmt: skip
+def test_each_row_decodes_to_the_coding_that_errs_less(seed, dim, fmt, steep, outliers, zeros):
+    heads, tokens = 2, 40
+    x = _values(seed, heads, tokens, dim, steep)
+    tables = basis.fit_tables(x[:, outliers + 1 :], fmt)  # (fitted without the first tokens)
+    g = torch.Generator().manual_seed(seed + 1)
+    x[:, :outliers] += 6.0 * torch.randn(heads, outliers, dim, generator=g)  # (far out of what the fit saw)
+    if zeros:
+        x[:, -1] = 0.0
+    rows = basis.encode(x, tables)
+    assert rows.dtype == torch.uint8 and rows.shape == (heads, tokens, basis.row_bytes(fmt, dim))
+    assert tables.bits.long().sum(-1).tolist() == [basis.code_bits(fmt, dim)] * heads
+    decoded = basis.decode(rows, tables)
+    assert torch.isfinite(decoded).all()
+    error = (decoded - x).pow(2).sum(-1)
+    block_error = (_blocks(x, fmt) - x).pow(2).sum(-1)
+    # (the blocks' first scale loses its lowest bit to the flag: at most a unit of its last place)
+    assert (error <= block_error * 1.01 + 1e-6).all()
+    flag = basis.is_basis(rows)
+    torch.testing.assert_close(decoded[flag], basis.decode_basis(rows, tables)[flag], rtol=0, atol=0)
+    if zeros:
+        assert float(error[:, -1].max()) < 1e-6
+
+
+def test_the_flag_is_the_first_scales_lowest_bit_and_the_blocks_keep_their_bytes():
+    x = _values(7, 2, 64, 64, 2.0)
+    tables = basis.fit_tables(x, "q3_0")
+    x[:, 3] += 8.0 * torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
+    rows = basis.encode(x, tables)
+    flag = basis.is_basis(rows)
+    assert flag.any() and not flag.all()  # (the far tokens take the blocks, the rest the basis)
+    first = rows[..., :2].contiguous().view(torch.int16)[..., 0]
+    assert torch.equal((first & 1).bool(), flag)
+    blocks = quantize(rotate(x), "q3_0", search_scale=True)
+    per_block = rows.unflatten(-1, (2, 14))
+    fallen = ~flag
+    assert torch.equal(per_block[..., 2:][fallen], blocks.codes[fallen])  # (the codes as the format gives them)
+    stored = per_block[..., :2].contiguous().view(torch.float16)[..., 0][fallen]  # [n, blocks]
+    assert torch.equal(stored[:, 1], blocks.scales[fallen][:, 1])
+    assert torch.equal(stored[:, 0].view(torch.int16), blocks.scales[fallen][:, 0].view(torch.int16) & ~1)
+
+
+def test_the_basis_coding_is_the_maps_coder():
+    """The rows decode as the map's simulated coder (`value_basis.Fallback` of `fit(..., "basis", scale="max",
+    floor=2)`) within the rounding of the tables to fp16 and of the flag bit: the KL the map reports is this codec's."""
+    import value_basis as vb
+
+    x = _values(4, 2, 512, 64, 2.0)
+    x[:, 7] += 4.0
+    fitted = x[:, 8:].double()
+    stats = {"count": fitted.shape[1], "sum": fitted.sum(1), "outer": fitted.transpose(1, 2) @ fitted}
+    simulated = vb.Fallback(vb.fit(stats, 3.5, "basis", scale="max", floor=2), "q3_0")(x[None])[0]
+    decoded = basis.decode(basis.encode(x, basis.fit_tables(x[:, 8:], "q3_0")), basis.fit_tables(x[:, 8:], "q3_0"))
+    errors = [float((y - x).pow(2).sum() / x.pow(2).sum()) for y in (decoded, simulated, _blocks(x, "q3_0"))]
+    assert errors[0] == pytest.approx(errors[1], rel=0.01)
+    assert errors[0] < 0.2 * errors[2]
+
+
+def test_given_directions_are_kept_and_non_finite_rows_take_the_blocks():
+    x = _values(9, 1, 128, 32, 1.0)
+    other = torch.linalg.qr(torch.randn(1, 32, 32, generator=torch.Generator().manual_seed(10)))[0]
+    tables = basis.fit_tables(x, "q3_0", basis=other)
+    assert torch.equal(tables.basis, other.half())
+    x[0, 5, 3] = float("nan")
+    x[0, 6] = 3e37  # (finite, far past fp16: saturated, finite out)
+    rows = basis.encode(x, tables)
+    decoded = basis.decode(rows, tables)
+    assert not basis.is_basis(rows)[0, 5] and torch.isnan(decoded[0, 5]).any()
+    assert torch.isfinite(decoded[0, 6]).all() and torch.isfinite(decoded[0, 7:]).all()
