@@ -111,6 +111,7 @@ CURRENT = (
     "value_sensitivity.json",
     "value_basis.json",
     "value_basis_tables.json",
+    "basis_quality.json",
     "compiled_decode.json",
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
@@ -465,6 +466,8 @@ def results() -> None:
     for name, title in (
         ("quality.json", "Quality"),
         ("bit_tradeoff.json", "Below the default bits"),
+        ("basis_quality.json", "Values in each head's own directions, through the cache (`bit_tradeoff.py --caches "
+                               "... --out results/basis_quality.json`: `values=basis-q3_0`, the reference path)"),
     ):  # fmt: skip
         for result in (_load(name) or {}).values():
             cfg = result["config"]

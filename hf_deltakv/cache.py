@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 from .allocation import allocation_for
 from .codecs.adaptive import GROUPS, AdaptiveChannelCodec
 from .codecs.base import StreamCodec
+from .codecs.basis import BASIS_VALUES, BasisCodec
 from .codecs.channel import ChannelGroupCodec
 from .codecs.delta import MAX_KF, DeltaCodec
 from .codecs.plain import PlainCodec
@@ -527,7 +528,9 @@ class DeltaKVCache(CompressedKVCache):
         kf: tokens per group (8, 16, 32 or 64; for `keys="token"`, the keyframe interval, 1-4096).
         key_bits: mean bits per key element (`key_bits * head_dim` a whole number), or a list of one per layer.
         values: a block format name for values (per token: `q4_0`, or `q3_0` below 4 bits) or `"delta"`, or a list
-            of format names, one per layer (spend the bits where a layer's values are sensitive).
+            of format names, one per layer (spend the bits where a layer's values are sensitive); or `"basis-q3_0"`,
+            `"basis-q4_0"`: each head's values in its own directions fitted on the prompt, per token falling back
+            to that format's rotated blocks, in its bytes (`codecs.basis`; experimental: no kernel reads it yet).
         keys: `"channel"` (default) or `"token"` (see above).
         rotate: Hadamard-rotate values (and token-coded keys) before coding.
         search_scale: search each block's scale for the least error (values in the q4_0 family or q3_0).
@@ -619,9 +622,11 @@ class DeltaKVCache(CompressedKVCache):
             elif isinstance(fmt, str) and fmt in FORMATS:
                 search = search_scale and FORMATS[fmt].kind in SEARCHABLE_KINDS
                 make_values.append(_codec(PlainCodec, rotate, fmt=fmt, search_scale=search))
+            elif isinstance(fmt, str) and fmt in BASIS_VALUES:  # (rotates its fallback itself, scales searched)
+                make_values.append(_codec(BasisCodec, fmt=BASIS_VALUES[fmt]))
             else:
-                raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS)} (or a list of them), got "
-                                 f"{values!r}")  # fmt: skip
+                raise ValueError(f"values must be 'delta' or one of {sorted(FORMATS) + sorted(BASIS_VALUES)} (or a "
+                                 f"list of them), got {values!r}")  # fmt: skip
         self.kf = kf
         self.options = {"kf": kf, "key_bits": key_bits, "values": values, "keys": keys, "rotate": rotate,
                         "search_scale": search_scale, "sink_tokens": sink_tokens, "pre_rope": pre_rope,

@@ -124,3 +124,77 @@ def test_given_directions_are_kept_and_non_finite_rows_take_the_blocks():
     decoded = basis.decode(rows, tables)
     assert not basis.is_basis(rows)[0, 5] and torch.isnan(decoded[0, 5]).any()
     assert torch.isfinite(decoded[0, 6]).all() and torch.isfinite(decoded[0, 7:]).all()
+
+
+def _codec_input(seed: int = 11, tokens: int = 100) -> torch.Tensor:
+    x = torch.stack([_values(seed + b, 3, tokens, 64, 2.0) for b in range(2)])  # [2, 3, T, 64]
+    x[:, :, 90] += 6.0 * torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(seed))  # (far out: the blocks)
+    return x
+
+
+def test_the_codec_stores_rows_and_fitted_tables_and_counts_every_byte():
+    from hf_deltakv.codecs.basis import BasisCodec
+
+    x = _codec_input()
+    codec = BasisCodec("q3_0")
+    codec.append(x[:, :, :80])  # (the prompt: the tables fitted on it)
+    tables = codec.tables()
+    assert tables.basis.shape == (2, 3, 64, 64) and tables.basis.dtype == torch.float16
+    rows = basis.encode(x[:, :, :80], basis.fit_tables(x[:, :, :80], "q3_0"))
+    assert torch.equal(codec.rows, rows)
+    assert codec.nbytes() == rows.numel() + sum(t.numel() * t.element_size() for t in tables.tensors())
+    for t in range(80, 100):  # (decoding steps: the prompt's tables, a row each)
+        codec.append(x[:, :, t : t + 1])
+    expected = basis.decode(basis.encode(x, tables), tables)
+    torch.testing.assert_close(codec.decode(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(codec.decode_range(30, 45), expected[:, :, 30:45], rtol=0, atol=0)
+    assert basis.is_basis(codec.rows).float().mean() > 0.8 and not basis.is_basis(codec.rows)[:, :, 90].any()
+
+
+def test_crops_drops_and_batch_reorders_keep_the_rows_and_tables():
+    from hf_deltakv.codecs.basis import BasisCodec
+
+    x = _codec_input()
+    codec = BasisCodec("q4_0")
+    codec.append(x)
+    whole = codec.decode()
+    codec.map_batch(lambda t: t.flip(0))
+    torch.testing.assert_close(codec.decode(), whole.flip(0), rtol=0, atol=0)
+    codec.truncate(60)
+    codec.drop_front(codec.droppable(10))
+    assert codec.length == 50
+    torch.testing.assert_close(codec.decode(), whole.flip(0)[:, :, 10:60], rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        codec.append(x[:, :, :3, :32])  # (another head width: refused, the codec as it was)
+    assert codec.length == 50 and codec.rows.shape[2] == 50
+    codec.truncate(0)  # (nothing left: the next prompt is fitted anew)
+    codec.append(x[:, :, :20] * 3)
+    assert torch.equal(codec.spread, basis.fit_tables(x[:, :, :20] * 3, "q4_0").spread)
+
+
+def test_delta_cache_takes_basis_values_and_codes_them_no_worse_than_the_blocks():
+    """`DeltaKVCache(values="basis-q3_0")` generates; its first layer's values (the same inputs in both caches) err no
+    more than `values="q3_0"`'s, row for row, and the refusals are clear."""
+    from hf_deltakv import DeltaKVCache, StaticDeltaKVCache
+    from hf_deltakv.codecs.basis import BasisCodec
+
+    from .conftest import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(1, 100, (2, 40), generator=torch.Generator().manual_seed(12))
+    exact = model(ids, use_cache=True).past_key_values.layers[0].values.float()
+    errors = []
+    for values in ("basis-q3_0", "q3_0"):
+        cache = DeltaKVCache(kf=8, values=values, model=model)
+        model(ids, past_key_values=cache)
+        stream = cache.layers[0].value_codec
+        assert isinstance(stream, BasisCodec) == (values == "basis-q3_0")
+        errors.append((stream.decode() - exact[:, :, 4:]).pow(2).sum(-1))
+    assert (errors[0] <= errors[1] * 1.01 + 1e-9).all()
+    out = model.generate(ids, cache=DeltaKVCache(kf=8, values="basis-q3_0", model=model), max_new_tokens=12,
+                         do_sample=False)  # fmt: skip
+    assert out.shape == (2, 52)
+    with pytest.raises(ValueError, match="basis-q3_0"):
+        DeltaKVCache(values="basis-q2_0")
+    with pytest.raises(ValueError, match="max_cache_len serves"):  # (no compiled form yet)
+        model(ids, past_key_values=StaticDeltaKVCache(kf=8, values="basis-q3_0", max_cache_len=64, model=model))

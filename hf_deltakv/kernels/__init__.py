@@ -74,6 +74,7 @@ from .cpu.stream_attention import HEAD_DIMS as CPU_HEAD_DIMS
 from .hadamard import rotate
 from .layout import (
     AdaptiveStream,
+    BasisStream,
     ChannelStream,
     DeltaRows,
     DeltaStream,
@@ -90,6 +91,7 @@ from .layout import (
 
 __all__ = [
     "AdaptiveStream",
+    "BasisStream",
     "ChannelStream",
     "DeltaRows",
     "DeltaStream",

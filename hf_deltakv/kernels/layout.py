@@ -29,6 +29,7 @@ class StreamKind(IntEnum):
     DELTA = 1
     CHANNEL = 2
     ADAPTIVE = 3
+    BASIS = 4
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,26 @@ class LatentCoder:
     value_decoder: torch.Tensor
 
 
-StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream
+@dataclass(frozen=True)
+class BasisStream:
+    """Values coded in each kv head's own directions, or per token in the fallback format's rotated blocks
+    (`kernels.basis`): `rows` uint8 `[batch, heads, length, row bytes]`, the tables `[batch, heads, ...]` (fp16 `mean`
+    `[.., D]`, `basis` `[.., D, D]`, `spread` `[.., D]`, uint8 `bits` `[.., D]`), `fmt` the fallback format. Read by the
+    reference only (no kernel yet)."""
+
+    rows: torch.Tensor
+    mean: torch.Tensor
+    basis: torch.Tensor
+    spread: torch.Tensor
+    bits: torch.Tensor
+    fmt: str
+    dim: int
+    length: int
+    rotation: int = 0  # (the fallback's rotation is the codec's own: rows decode to the values themselves)
+    kind: StreamKind = StreamKind.BASIS
+
+
+StreamLayout = PlainStream | DeltaStream | ChannelStream | AdaptiveStream | BasisStream
 
 
 def constants() -> dict[str, int]:

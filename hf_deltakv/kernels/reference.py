@@ -12,9 +12,11 @@ from ..quant import FP16_MAX, QuantizedTensor, dequantize, get_format, pack_4bit
 from ..quant.bitplanes import MAX_BITS, unpack_planes
 from ..quant.bitplanes import pack_planes as _pack_planes
 from ..rope import RopeForm, rotate_pairs
+from . import basis
 from .hadamard import rotate
 from .layout import (
     AdaptiveStream,
+    BasisStream,
     ChannelStream,
     DeltaRows,
     DeltaStream,
@@ -655,6 +657,9 @@ def decode_stream(stream: StreamLayout, start: int, end: int) -> torch.Tensor:
         out = decode_channel(stream, start, end)
     elif isinstance(stream, AdaptiveStream):
         out = decode_adaptive(stream, start, end)
+    elif isinstance(stream, BasisStream):
+        tables = basis.BasisTables(stream.mean, stream.basis, stream.spread, stream.bits, stream.fmt)
+        out = basis.decode(stream.rows[:, :, start:end], tables)
     else:
         raise TypeError(f"not a stream layout: {type(stream).__name__}")
     return rotate(out, inverse=True) if stream.rotation else out
