@@ -1,6 +1,7 @@
 """Values coded in each kv head's own directions, with a per-token fallback to the rotated blocks (issue 61): the
-PyTorch reference every kernel of this coding is to follow. Not yet a cache option: `benchmarks/value_basis.py`
-measures it (`+fallback` variants) and the tests hold it to that script's coders.
+PyTorch reference every kernel of this coding is to follow. `DeltaKVCache(values="basis-q3_0")` stores values this
+way (`codecs/basis.py`; no C++ or Triton kernel reads it yet); `benchmarks/value_basis.py` measures the same coder
+(its `+fallback` variants), and the tests hold the two together.
 
 A head's **tables** (`BasisTables`): its mean value, an orthonormal basis (the eigenvectors of its values'
 covariance: fitted from a prompt's values, or calibrated per model), the spread of the values along each direction
@@ -124,11 +125,14 @@ class BasisTables:
 def fit_tables(values: torch.Tensor, fmt: str, floor: int = 2, basis: torch.Tensor | None = None) -> BasisTables:
     """The tables of values `[*lead, T, D]` (each head's own tokens): their mean, the eigenvectors of their covariance
     (or `basis` `[*lead, D, D]` given: another fit's directions), the spreads along them and the bits spread over
-    them (`allocate`, at least `floor` each)."""
+    them (`allocate`, at least `floor` each). Tokens that are not finite are left out of the fit."""
     x = values.double()
-    mean = x.mean(-2)
-    centred = x - mean[..., None, :]
-    covariance = centred.transpose(-1, -2) @ centred / max(x.shape[-2], 1)
+    finite = torch.isfinite(x).all(-1, keepdim=True)
+    count = finite.sum(-2, keepdim=True).clamp_min(1)
+    x = torch.where(finite, x, 0.0)
+    mean = x.sum(-2) / count[..., 0, :]
+    centred = torch.where(finite, x - mean[..., None, :], 0.0)
+    covariance = centred.transpose(-1, -2) @ centred / count
     if basis is None:
         basis = torch.linalg.eigh(covariance)[1]
     basis = basis.to(torch.float16)
