@@ -61,6 +61,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 from paths import RESULTS, WIKITEXT_VALID, machine
@@ -515,14 +516,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-windows", type=int, default=4)
     parser.add_argument("--only", default=None, help="measure only the coders whose label contains this")
     parser.add_argument("--out", default=str(RESULTS / "value_basis.json"))
+    parser.add_argument("--append", action="store_true", help="keep the other models' results already in --out")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     results = []
+    if args.append and Path(args.out).exists():  # (the same options: only the models measured now are replaced)
+        earlier = json.loads(Path(args.out).read_text())
+        given = {k: v for k, v in vars(args).items() if k not in ("models", "append")}
+        kept = {k: earlier["config"].get(k) for k in given}
+        if kept != given or earlier["config"].get("sinks") != SINKS:
+            raise SystemExit(f"--append: {args.out} was measured with other options: {kept}")
+        results = [r for r in earlier["results"] if r["model"] not in args.models.split(",")]
     for name in args.models.split(","):
         results.append(measure(name, args.ctx, args.windows, args.calib, args.calib_windows, args.only))
         results[-1]["summary"] = summary(results[-1])
         print(markdown(results[-1]) + "\n", flush=True)
-        config = {**vars(args), "sinks": SINKS, "rates": RATES, "date": time.strftime("%F"), "machine": machine()}
+        config = {**vars(args), "models": ",".join(r["model"] for r in results), "sinks": SINKS, "rates": RATES,
+                  "date": time.strftime("%F"), "machine": machine()}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"config": config, "results": results}, f, indent=1)
             f.write("\n")
