@@ -201,3 +201,19 @@ def test_delta_cache_takes_basis_values_and_codes_them_no_worse_than_the_blocks(
         DeltaKVCache(values="basis-q2_0")
     with pytest.raises(ValueError, match="max_cache_len serves"):  # (no compiled form yet)
         model(ids, past_key_values=StaticDeltaKVCache(kf=8, values="basis-q3_0", max_cache_len=64, model=model))
+
+
+def test_a_saved_cache_loads_its_rows_and_tables(tmp_path):
+    from hf_deltakv import DeltaKVCache
+
+    from .conftest import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(1, 100, (2, 30), generator=torch.Generator().manual_seed(13))
+    cache = DeltaKVCache(kf=8, values="basis-q3_0", model=model)
+    model(ids, past_key_values=cache)
+    loaded = DeltaKVCache.load(cache.save(tmp_path / "cache.safetensors"), model)
+    for a, b in zip(cache.layers, loaded.layers, strict=True):
+        for name in a.value_codec.state_names():
+            assert torch.equal(getattr(a.value_codec, name), getattr(b.value_codec, name)), name
+    assert loaded.nbytes() == cache.nbytes()
