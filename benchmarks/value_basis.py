@@ -246,11 +246,11 @@ def int8_rows(matrix: torch.Tensor) -> torch.Tensor:
 def table_bytes(kind: str, dim: int, fitted: str, table: str = "fp16") -> int:
     """Bytes of one kv head's tables that a cache fitting at prefill holds per sequence (`fitted`: `model`, calibrated
     once per model: none; `sequence`: the basis matrix (fp16, or int8 with an fp16 scale a direction), the mean and
-    spreads in fp16, 4 bits a direction's bits; `spreads`: the directions calibrated per model, the mean, spreads and
+    spreads in fp16, a byte of bits a direction; `spreads`: the directions calibrated per model, the mean, spreads and
     bits per sequence)."""
     if fitted == "model" or "basis" not in kind:
         return 0
-    small = 2 * dim * 2 + dim // 2  # (mean and spreads in fp16, the bits in 4 bits each)
+    small = 2 * dim * 2 + dim  # (mean and spreads in fp16, a byte of bits a direction: as `codecs.basis` holds them)
     if fitted == "spreads":
         return small
     return small + (dim * dim + 2 * dim if table == "int8" else 2 * dim * dim)
@@ -382,11 +382,13 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
 
     # The map: spectra, predicted gains, the mean's share of the energy.
     heads = []
+    calibrated_directions = {}  # layer -> the calibration's eigenvectors `[H, D, D]` (columns; `spreads` variants)
     for layer in range(layers):
         s = calibration[layer]
         mean = s["sum"] / s["count"]
         second = s["outer"] / s["count"]
         covariance = second - mean[:, :, None] * mean[:, None, :]
+        calibrated_directions[layer] = torch.linalg.eigh(covariance)[1]
         for head in range(kv_heads):
             eigen = torch.linalg.eigvalsh(covariance[head]).flip(0).clamp_min(0)
             energy = float(torch.diagonal(second[head]).sum())
@@ -399,12 +401,12 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
     # a per-model table (calibrated bases): fp16 matrix and mean, a byte of bits a direction
     result["table_bytes_per_layer"] = 2 * kv_heads * (dim * dim + dim) + kv_heads * dim
 
-    def add(label: str, bits: float, code, coders: list | None = None, table: int = 0) -> None:
+    def add(label: str, bits: float, code, coders: list | None = None) -> None:
         if only and only not in label:
             return
         value, mse, output_mse = kl(code)
         result["variants"].append({"variant": label, "bits": bits, "kl": value, "value_mse": mse,
-                                   "output_mse": output_mse, "sequence_table_bytes": table})  # fmt: skip
+                                   "output_mse": output_mse})  # fmt: skip
         fallen = [c for c in coders or [] if isinstance(c, Fallback)]
         if fallen:  # (the share of token-heads the blocks coded)
             result["variants"][-1]["fallback_share"] = sum(c.fallen for c in fallen) / sum(c.tokens for c in fallen)
@@ -412,12 +414,6 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
               file=sys.stderr, flush=True)  # fmt: skip
 
     means = {layer: (calibration[layer]["sum"] / calibration[layer]["count"]).float() for layer in range(layers)}
-    calibrated_directions = {}  # layer -> the calibration's eigenvectors `[H, D, D]` (columns)
-    for layer in range(layers):
-        stats = calibration[layer]
-        mean = stats["sum"] / stats["count"]
-        covariance = stats["outer"] / stats["count"] - mean[:, :, None] * mean[:, None, :]
-        calibrated_directions[layer] = torch.linalg.eigh(covariance)[1]
     add("q3_0-rot", 3.5, lambda layer, v, i: coded(v, "q3_0"))
     add("q4_0-rot", 4.5, lambda layer, v, i: coded(v, "q4_0"))
     add("mean+q3_0-rot", 3.5,
@@ -443,10 +439,8 @@ def measure(name: str, ctx: int, windows: int, calib: str, calib_windows: int, o
                 made = functools.partial(made, directions=calibrated_directions)
             selves = [{layer: made(o[layer], layer) for layer in range(layers)} for o in source]
             tag = {True: "self", "prefix": "prefix", "spreads": "spreads: self", "spreads-prefix": "spreads: prefix"}
-            table = table_bytes(kind, dim, "spreads" if str(fitted_on).startswith("spreads") else "sequence",
-                                options.get("table", "fp16"))  # fmt: skip
             add(f"{label} ({tag[fitted_on]})", bits, keep_sinks(lambda layer, i, selves=selves: selves[i][layer]),
-                [c for s in selves for c in s.values()], table)  # fmt: skip
+                [c for s in selves for c in s.values()])  # fmt: skip
         else:
             fitted = {layer: made(calibration[layer], layer) for layer in range(layers)}
             add(label, bits, keep_sinks(lambda layer, i, fitted=fitted: fitted[layer]), list(fitted.values()))
@@ -493,10 +487,8 @@ def markdown(result: dict) -> str:
 
 
 def sequence_table(row: dict, dim: int) -> int:
-    """A measured variant's per-sequence table bytes per kv head: as recorded, or for rows measured before they were,
-    from the label (`(self)`, `(prefix)`: the whole tables; `(spreads: ...)`: the spreads' part)."""
-    if "sequence_table_bytes" in row:
-        return row["sequence_table_bytes"]
+    """A measured variant's per-sequence table bytes per kv head, from its label (`(self)`, `(prefix)`: the whole
+    tables; `(spreads: ...)`: the spreads' part; `table=int8`: the matrix in 8 bits)."""
     label = row["variant"]
     fitted = "spreads" if "(spreads" in label else "sequence" if "(self)" in label or "(prefix)" in label else "model"
     return table_bytes("basis" if "basis" in label else label, dim, fitted, "int8" if "int8" in label else "fp16")

@@ -142,10 +142,17 @@ def test_an_int8_basis_codes_nearly_as_the_fp16_one():
 
 
 def test_per_sequence_tables_are_counted_in_bytes_and_spread_over_the_tokens():
-    assert vb.table_bytes("basis", 64, "sequence") == 2 * 64 * 64 + 2 * 2 * 64 + 32  # (matrix, mean, spreads, bits)
-    assert vb.table_bytes("basis", 64, "sequence", "int8") == 64 * 64 + 2 * 64 + 2 * 2 * 64 + 32
-    assert vb.table_bytes("basis", 64, "spreads") == 2 * 2 * 64 + 32
+    from hf_deltakv.codecs.basis import BasisCodec
+
+    codec = BasisCodec("q3_0")
+    codec.append(torch.randn(1, 1, 40, 64, generator=torch.Generator().manual_seed(7)))
+    held = sum(t.numel() * t.element_size() for t in codec.tables().tensors())  # (what the codec holds a head)
+    assert vb.table_bytes("basis", 64, "sequence") == held == 2 * 64 * 64 + 2 * 2 * 64 + 64
+    assert vb.table_bytes("basis", 64, "sequence", "int8") == 64 * 64 + 2 * 64 + 2 * 2 * 64 + 64
+    assert vb.table_bytes("basis", 64, "spreads") == 2 * 2 * 64 + 64
+    assert vb.sequence_table({"variant": "basis/scale=max+fallback@3.5 (spreads: prefix)"}, 64) == 2 * 2 * 64 + 64
+    assert vb.sequence_table({"variant": "basis/table=int8+fallback@3.5 (prefix)"}, 64) == 64 * 64 + 6 * 64 + 64
     assert vb.table_bytes("basis", 64, "model") == 0 and vb.table_bytes("norm-rot", 64, "sequence") == 0
     # a prompt of 1,020 coded tokens at head_dim 64 carries its fp16 basis at about one bit a value more
-    assert vb.with_tables(3.5, vb.table_bytes("basis", 64, "sequence"), 64, 1020) == pytest.approx(4.539, abs=1e-3)
+    assert vb.with_tables(3.5, vb.table_bytes("basis", 64, "sequence"), 64, 1020) == pytest.approx(4.543, abs=1e-3)
     assert vb.with_tables(3.5, 0, 64, 1020) == 3.5
