@@ -167,7 +167,7 @@ def test_crops_drops_and_batch_reorders_keep_the_rows_and_tables():
     codec.drop_front(codec.droppable(10))
     assert codec.length == 50
     torch.testing.assert_close(codec.decode(), whole.flip(0)[:, :, 10:60], rtol=0, atol=0)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="head width 32"):
         codec.append(x[:, :, :3, :32])  # (another head width: refused, the codec as it was)
     assert codec.length == 50 and codec.rows.shape[2] == 50
     codec.truncate(0)  # (nothing left: the next prompt is fitted anew)

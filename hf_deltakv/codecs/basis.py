@@ -42,6 +42,8 @@ class BasisCodec(StreamCodec):
 
     def append(self, x: torch.Tensor) -> None:
         batch, heads, n, dim = x.shape
+        if self.basis is not None and self.mean.shape[-1] != dim:
+            raise ValueError(f"values of head width {dim} given to a stream of width {self.mean.shape[-1]}")
         tables = self.tables() if self.basis is not None else basis.fit_tables(x, self.fmt, self.floor)
         rows = basis.encode(x, tables)  # (before any state changes: a failure leaves the codec as it was)
         if self.basis is None:
