@@ -112,6 +112,8 @@ CURRENT = (
     "value_basis.json",
     "value_basis_tables.json",
     "basis_quality.json",
+    "key_side.json",
+    "key_ranges_quality.json",
     "compiled_decode.json",
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
@@ -468,6 +470,8 @@ def results() -> None:
         ("bit_tradeoff.json", "Below the default bits"),
         ("basis_quality.json", "Values in each head's own directions, through the cache (`bit_tradeoff.py --caches "
                                "... --out results/basis_quality.json`: `values=basis-q3_0`, the reference path)"),
+        ("key_ranges_quality.json", "Keys' ranges on a grid, through the cache (`bit_tradeoff.py --caches ... --out "
+                                    "results/key_ranges_quality.json`: `key_ranges=grid8`, the reference coder)"),
     ):  # fmt: skip
         for result in (_load(name) or {}).values():
             cfg = result["config"]
@@ -514,6 +518,19 @@ def results() -> None:
             "window (or its first half); `table=int8` holds the fitted basis in 8 bits.\n"
         )
         print("\n\n".join(basis_table(result) for result in tables["results"]))
+    side = _load("key_side.json")
+    if side:
+        from key_side import markdown as side_table
+
+        print(
+            "\n## Keys' side information (`key_side.py`, `key_side.json`)\n\n"
+            "KL from the unmodified model when only keys are coded (values exact, the first 4 tokens restored), before "
+            "RoPE in groups of kf tokens as DeltaKVCache codes them, with each form of a group's channel ranges "
+            "(`key_side.py`'s docstring): today's fp16 low and step, 8-bit floats, codes on a per-sequence grid "
+            "(`gridN`: N bits for each end; the grid fitted on the window's first half), or the grid's range alone. "
+            "Each cell: bits a key element (codes, side information, the per-sequence grid over the window), KL.\n"
+        )
+        print("\n\n".join(side_table(result) for result in side["results"]))
     cost = _load("encode_cost.json")
     if cost:
         cfg = cost["config"]

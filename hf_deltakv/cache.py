@@ -544,6 +544,9 @@ class DeltaKVCache(CompressedKVCache):
         bits: instead of `key_bits` and `values`, a mean number of bits per element (nominal: codes and side
             information), spent per layer where the model's calibration (`hf_deltakv.allocation`) says keys or
             values lose the most; needs `model`. `kf=64` leaves the most of them to the codes.
+        key_ranges: how a key group's channel range is held: `"fp16"` (low and step) or `"grid8"` (a byte each for
+            its low and high on a grid fitted on the prompt: 0.31 bits a key element of side information at kf=64
+            instead of 0.56; experimental, coded by the reference: `kernels.key_grid`).
 
     >>> cache = DeltaKVCache(kf=32)
     >>> cache.kf
@@ -569,6 +572,7 @@ class DeltaKVCache(CompressedKVCache):
         intra: bool | None = None,
         mean_reference: bool | None = None,
         bits: float | None = None,
+        key_ranges: str = "fp16",
     ) -> None:
         if keys not in KEY_CODINGS:
             raise ValueError(f"keys must be one of {KEY_CODINGS}, got {keys!r}")
@@ -580,6 +584,8 @@ class DeltaKVCache(CompressedKVCache):
                 raise ValueError("bits= chooses key_bits and values per layer (keys='channel'): give bits or those")
             if not isinstance(model, nn.Module):
                 raise ValueError("bits= needs the model (model=...): the bits are allocated per layer")
+            if key_ranges != "fp16":
+                raise ValueError("bits= budgets fp16 key ranges: give key_bits and values with key_ranges")
             key_bits, values, self.calibration = allocation_for(model, bits, kf)
         key_bits, values = [list(x) if isinstance(x, tuple) else x for x in (key_bits, values)]
         layers = getattr(text_config(model), "num_hidden_layers", None) if isinstance(model, nn.Module) else None
@@ -602,13 +608,13 @@ class DeltaKVCache(CompressedKVCache):
         given = sorted(name for name, value in token_options.items() if value is not None)
         if keys == "channel" and (given or "delta" in values_of):
             raise ValueError(f"{given or 'values=delta'} apply to keys='token' only")
-        if keys == "token" and not (query_weights and clip_range):
-            raise ValueError("query_weights and clip_range apply to keys='channel' only")
+        if keys == "token" and not (query_weights and clip_range and key_ranges == "fp16"):
+            raise ValueError("query_weights, clip_range and key_ranges apply to keys='channel' only")
         defaults = TOKEN_DELTA_DEFAULTS
         token_options = {"kf": kf, **{k: defaults[k] if v is None else v for k, v in token_options.items()}}
         if keys == "channel":
             channel_options = {"group": kf, "offset": _check_sinks(sink_tokens), "query_weights": query_weights,
-                               "clip_range": clip_range}  # fmt: skip
+                               "clip_range": clip_range, "ranges": key_ranges}  # fmt: skip
             make_keys = [_codec(AdaptiveChannelCodec, bits=entry, **channel_options) for entry in key_bits_of]
             for make in make_keys:
                 make()  # validate now, not at the first forward
@@ -632,7 +638,7 @@ class DeltaKVCache(CompressedKVCache):
                         "search_scale": search_scale, "sink_tokens": sink_tokens, "pre_rope": pre_rope,
                         "query_weights": query_weights, "clip_range": clip_range, "delta_format": delta_format,
                         "keyframe_format": keyframe_format, "reference": reference, "intra": intra,
-                        "mean_reference": mean_reference}  # fmt: skip
+                        "mean_reference": mean_reference, "key_ranges": key_ranges}  # fmt: skip
         super().__init__(_one_or_each(make_keys, key_bits), _one_or_each(make_values, values), sink_tokens, model,
                          pre_rope)  # fmt: skip
 

@@ -195,6 +195,7 @@ CODECS = {
     "adaptive-32": lambda: AdaptiveChannelCodec(group=32, bits=4, offset=3),
     "adaptive-16": lambda: AdaptiveChannelCodec(group=16, bits=3.5, offset=0),
     "adaptive-64": lambda: AdaptiveChannelCodec(group=64, bits=5, offset=7),
+    "adaptive-grid": lambda: AdaptiveChannelCodec(group=16, bits=3, offset=5, ranges="grid8"),
 }
 
 

@@ -21,16 +21,20 @@ channel and group) did not pay and is not used here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import kernels
+from ..kernels import key_grid
 from ..kernels.reference import CLIP_ELEMENTS, CLIPS, allocate_bits, clipped_codes  # noqa: F401 - the codec's spec
-from ..quant import owned, saturate_fp16
+from ..quant import owned, saturate_fp16, unpack_4bit
 from ..quant.bitplanes import MAX_BITS
 from .base import RawTailCodec, batched_growth
 
 GROUPS = (8, 16, 32, 64)  # token group sizes (a plane is a whole number of bytes; the kernels read up to 64)
 CODED = ("planes", "depths", "low", "step")  # the state of coded groups, one row per group
+RANGES = {"fp16": CODED, "grid8": ("planes", "depths", "low_code", "high_code")}  # a range's form -> that state
 
 
 class AdaptiveChannelCodec(RawTailCodec):
@@ -42,20 +46,34 @@ class AdaptiveChannelCodec(RawTailCodec):
         offset: absolute position of the stream's first token (the cache layer's raw sink tokens come before it).
         query_weights: weigh the channels by the queries observed (off: by their ranges alone; for the ablation).
         clip_range: code each channel over the clipped range of `CLIPS` with the least error (off: its whole range).
+        ranges: how a group's channel range is held: `"fp16"` (low and step, 32 bits) or `"grid8"` (a byte each
+            for its low and high on a grid fitted per sequence on the first tokens coded: `kernels.key_grid`;
+            experimental: coded by the reference, read by every kernel through the fp16 ranges it derives).
     """
 
     def __init__(
-        self, *, group: int, bits: float, offset: int, query_weights: bool = True, clip_range: bool = True
+        self,
+        *,
+        group: int,
+        bits: float,
+        offset: int,
+        query_weights: bool = True,
+        clip_range: bool = True,
+        ranges: str = "fp16",
     ) -> None:
         super().__init__()
         if group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+        if ranges not in RANGES:
+            raise ValueError(f"key ranges must be one of {sorted(RANGES)}, got {ranges!r}")
         if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 1 <= bits <= MAX_BITS:
             raise ValueError(f"bits must be a number in [1, {MAX_BITS}], got {bits!r}")
         self.group, self.bits, self.query_weights, self.clip_range = group, float(bits), query_weights, clip_range
         # The stream's first token sits in absolute group `first_group`, at slot `pad` of it.
         self.first_group, self.pad = divmod(offset, group)
+        self.ranges = ranges
         self.planes = self.depths = self.low = self.step = None  # coded groups
+        self.low_code = self.high_code = self.origin = self.unit = None  # (grid ranges: the codes and the grid)
         self.tail = None  # fp16 [B, H, t, D]: tokens not yet coded
         self.coded = 0  # coded groups
         # Encoder state: summed pair energies of the queries observed (fp32 [B, H, D]) and over how many positions;
@@ -65,11 +83,17 @@ class AdaptiveChannelCodec(RawTailCodec):
         self.before_group: dict[int, tuple[torch.Tensor, int]] = {}
 
     @property
+    def coded_names(self) -> tuple[str, ...]:
+        """The state of coded groups, one row per group (`RANGES`)."""
+        return RANGES[self.ranges]
+
+    @property
     def observes_queries(self) -> bool:
         return self.query_weights
 
     def state_names(self) -> tuple[str, ...]:
-        return ("planes", "depths", "low", "step", "tail", "energy")
+        grid = ("origin", "unit") if self.ranges == "grid8" else ()
+        return (*self.coded_names, *grid, "tail", "energy")
 
     def held(self) -> list:
         return [*super().held(), self.before_group]
@@ -152,7 +176,9 @@ class AdaptiveChannelCodec(RawTailCodec):
         weights = self._weights(range(first, first + complete), self.tail)
         total = self._budget(dim)
         shapes = ((total, self.group // 8), (dim // 2,), (dim,), (dim,))
-        dtypes = (torch.uint8, torch.uint8, torch.float16, torch.float16)
+        dtypes = (torch.uint8, torch.uint8) + ((torch.float16,) * 2 if self.ranges == "fp16" else (torch.uint8,) * 2)
+        if self.ranges == "grid8" and self.origin is None:  # the grid: fitted on the tokens held raw (a prompt's)
+            self.origin, self.unit = key_grid.fit_base(self.tail)
         with batched_growth():  # the coded groups' four buffers grown (when they are) in one copy
             self._code(complete, pad, weights, total, shapes, dtypes)
         self._drop_rows("tail", take, keep_room=2 * self.group)  # (a prompt's whole tail is let go)
@@ -163,14 +189,19 @@ class AdaptiveChannelCodec(RawTailCodec):
     def _code(self, complete: int, pad: int, weights, total: int, shapes, dtypes) -> None:
         batch, heads = self.tail.shape[:2]
         out, rows = [], set()
-        for name, shape, dtype in zip(CODED, shapes, dtypes, strict=True):
+        for name, shape, dtype in zip(self.coded_names, shapes, dtypes, strict=True):
             make = lambda n, s=shape, d=dtype: torch.empty(batch, heads, n, *s, dtype=d, device=self.tail.device)  # noqa: E731
             buffer, at = self._reserve(name, complete, make)
             out.append(buffer)
             rows.add(at)
         assert rows == {self.coded}, (rows, self.coded)  # the four tensors of the coded groups stay aligned
-        kernels.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at)
-        for name in CODED:
+        if self.ranges == "grid8":  # (the reference: no kernel codes the grid yet)
+            clip = functools.partial(key_grid.clipped_codes, origin=self.origin, unit=self.unit)
+            kernels.reference.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at,
+                                          clip=clip)  # fmt: skip
+        else:
+            kernels.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at)
+        for name in self.coded_names:
             self._commit_rows(name, complete)  # in a buffer with room: a flush does not copy the history
 
     def _weights(self, groups: range, like: torch.Tensor) -> torch.Tensor | None:
@@ -204,7 +235,7 @@ class AdaptiveChannelCodec(RawTailCodec):
 
     def drop_front(self, tokens: int) -> None:
         groups = (tokens + self.pad) // self.group
-        for name in CODED:
+        for name in self.coded_names:
             setattr(self, name, owned(getattr(self, name)[:, :, groups:]))  # the dropped groups are freed
         self._release_rows()
         self.coded -= groups
@@ -222,24 +253,34 @@ class AdaptiveChannelCodec(RawTailCodec):
             keep = (tokens + self.pad) // self.group  # whole groups before the cut
             start = keep * self.group - self.pad if keep else 0
             partial = saturate_fp16(kernels.decode_stream(self.layout(), start, tokens))
-            for name in CODED:
+            for name in self.coded_names:
                 value = owned(getattr(self, name)[:, :, :keep])
                 setattr(self, name, value if keep else None)
             self._release_rows()
             self.coded = keep
             self.tail = partial.contiguous()
         self.length = tokens
+        if not tokens:  # (nothing left: the next tokens are a new prompt, its grid fitted anew)
+            self.origin = self.unit = None
         self.observed = min(self.observed, self.first_group * self.group + self.pad + tokens)
         first_open = self.first_group + self.coded
         self.before_group = {g: v for g, v in self.before_group.items() if g >= first_open}
 
+    def _ranges(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp16 low and step of the coded groups, as the kernels read them (grid ranges: derived from the codes)."""
+        if self.ranges == "fp16" or self.low_code is None:
+            return self.low, self.step
+        levels = (1 << unpack_4bit(self.depths).long()) - 1
+        return key_grid.ranges(self.low_code, self.high_code, levels, self.origin, self.unit)
+
     def layout(self) -> kernels.AdaptiveStream:
         self.flush()
+        low, step = self._ranges()
         return kernels.AdaptiveStream(
             planes=self.planes,
             bits=self.depths,
-            low=self.low,
-            step=self.step,
+            low=low,
+            step=step,
             tail=self.tail,
             group=self.group,
             offset=self.pad,

@@ -451,13 +451,20 @@ def clipped_codes(x: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels
     lows = (low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     highs = low.unsqueeze(-1) + span.unsqueeze(-1) * (1 - clips[:, 1])
     steps = ((highs - lows.float()) / levels.unsqueeze(-1)).clamp(0, FP16_MAX).to(torch.float16)  # [..., D, C]
-    step_f, low_f = steps.float().unsqueeze(-3), lows.float().unsqueeze(-3)  # [..., 1, D, C]
-    error = _grid_codes(x.unsqueeze(-1), low_f, step_f, levels.unsqueeze(-2).unsqueeze(-1))
-    error.mul_(step_f).add_(low_f).sub_(x.unsqueeze(-1)).square_()
-    best = error.sum(-3).nan_to_num_(float("inf")).argmin(-1, keepdim=True)  # ties (and NaN) keep the whole range
+    best = least_error(x, lows, steps, levels)  # ties (and NaN) keep the whole range
     low, step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
     codes = _grid_codes(x, low.float().unsqueeze(-2), step.float().unsqueeze(-2), levels.unsqueeze(-2))
     return codes.to(torch.uint8), low, step
+
+
+def least_error(x: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """The candidate range (`lows`, `steps` fp16 `[..., D, C]`) that codes groups `x` `[..., group, D]` at `levels`
+    `[..., D]` with the least squared error per channel: its index `[..., D, 1]` (ties and NaN: the first). The
+    errors are computed in place in one `[..., group, D, C]` buffer."""
+    step_f, low_f = steps.float().unsqueeze(-3), lows.float().unsqueeze(-3)  # [..., 1, D, C]
+    error = _grid_codes(x.unsqueeze(-1), low_f, step_f, levels.unsqueeze(-2).unsqueeze(-1))
+    error.mul_(step_f).add_(low_f).sub_(x.unsqueeze(-1)).square_()
+    return error.sum(-3).nan_to_num_(float("inf")).argmin(-1, keepdim=True)
 
 
 def _grid_codes(x: torch.Tensor, low: torch.Tensor, step: torch.Tensor, top: torch.Tensor) -> torch.Tensor:

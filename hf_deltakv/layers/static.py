@@ -612,7 +612,7 @@ class PackedDeltaLayer(GroupedKeysLayer):
     def _serves(self, keys) -> bool:
         from ..codecs.adaptive import AdaptiveChannelCodec
 
-        if not isinstance(keys, AdaptiveChannelCodec):
+        if not isinstance(keys, AdaptiveChannelCodec) or keys.ranges != "fp16":
             return False
         self.first_group = keys.first_group
         self.clip_range, self.query_weights = keys.clip_range, keys.query_weights

@@ -1,0 +1,91 @@
+"""Keys' ranges on a per-channel grid (issue 61, item 3): the PyTorch reference of
+`DeltaKVCache(key_ranges="grid8")`.
+
+The adaptive keys (`codecs.adaptive`) hold, per group of tokens and channel, a range and a depth. Today's range is an
+fp16 low and an fp16 step (32 bits; 36 with the 4-bit depth: 0.56 bits a key element at kf=64). On the grid it is a
+byte for its low and a byte for its high: codes 0..`GRID_CODES` on a grid fitted per sequence, kv head and channel
+from the first tokens the stream codes (a prompt's), reaching `GRID_MARGIN` of their range below their least and as
+much above their most (`fit_base`: an fp32 origin and unit a channel, held per sequence). A group's low rounds down
+onto the grid and its high up; where the group reaches beyond the grid's ends it is clipped there. 20 bits a channel
+and group with the depth: 0.31 bits a key element at kf=64. `benchmarks/key_side.py` measured what it costs in KL
+(`grid8`).
+
+The range the kernels read is derived from the codes (`ranges`: fp16 low and step, today's form), and a group's codes
+are computed against exactly those fp16 values, so every kernel decodes a grid-coded group as it decodes today's.
+The clipped candidates of `reference.CLIPS` are searched through the grid's rounding (`clipped_codes`, the
+signature of `reference.clipped_codes` with the base added).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import FP16_MAX
+from .reference import _grid_codes, least_error
+
+GRID_CODES = 255  # the grid's last code: a range's low and high a byte each
+GRID_MARGIN = 0.25  # the grid reaches this share of the fitted range below its least and above its most
+SPAN_FLOOR = 1e-3  # a channel's fitted range is at least this share of the head's widest (a channel constant in the
+# prompt still gets a grid), and at least `ABSOLUTE_FLOOR`
+ABSOLUTE_FLOOR = 2.0**-14
+CANDIDATE_ELEMENTS = 1 << 20  # candidate codes per pass of `clipped_codes` (groups searched in chunks of ~4 MB)
+
+
+def fit_base(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of keys `[..., T, D]` (the finite ones; none: a range of 0 at 0): its origin and unit, fp32
+    `[..., D]`, from `GRID_MARGIN` of each channel's range below its least to as much above its most in `GRID_CODES`
+    steps."""
+    x = keys.float()
+    finite = torch.isfinite(x)
+    least = torch.where(finite, x, float("inf")).amin(-2)
+    most = torch.where(finite, x, float("-inf")).amax(-2)
+    seen = finite.any(-2)
+    least, most = torch.where(seen, least, 0.0), torch.where(seen, most, 0.0)
+    span = most - least
+    floor = (SPAN_FLOOR * span.amax(-1, keepdim=True)).clamp_min(ABSOLUTE_FLOOR)
+    middle, span = (least + most) / 2, torch.maximum(span, floor)
+    reach = (1 + 2 * GRID_MARGIN) * span
+    return middle - reach / 2, reach / GRID_CODES
+
+
+def _values(low_code, high_code, levels, origin, unit) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 low and step of grid codes (float tensors, broadcast together)."""
+    low = (origin + low_code * unit).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    step = ((origin + high_code * unit - low.float()) / levels).clamp(0, FP16_MAX).to(torch.float16)
+    return low, step
+
+
+def ranges(
+    low_code: torch.Tensor, high_code: torch.Tensor, levels: torch.Tensor, origin: torch.Tensor, unit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels read of grid-coded groups: fp16 low and step `[B, H, G, D]` of codes uint8 `[B, H, G, D]`,
+    levels (`2^depth - 1`, `[B, H, G, D]`) and the grid (`[B, H, D]`). The high decodes to `origin + high * unit`;
+    the step spans from the fp16 low to it."""
+    origin, unit = origin.float().unsqueeze(2), unit.float().unsqueeze(2)
+    return _values(low_code.float(), high_code.float(), levels.float(), origin, unit)
+
+
+def clipped_codes(x, low, span, levels, clips, origin, unit):
+    """`reference.clipped_codes` with the range on the grid `origin`, `unit` fp32 `[B, H, D]`: groups `x` fp32
+    `[B, H, G, group, D]`; each candidate of `clips` rounded outward onto the grid (clipped at its ends), the one of
+    least squared error kept. Returns codes uint8 `[B, H, G, group, D]` (against `ranges` of the kept grid codes) and
+    the grid codes of low and high, uint8 `[B, H, G, D]`."""
+    per_group = x[:, :, :1].numel() * len(clips)
+    chunk = max(1, CANDIDATE_ELEMENTS // max(per_group, 1))
+    if x.shape[2] > chunk:
+        parts = [clipped_codes(x[:, :, g : g + chunk], low[:, :, g : g + chunk], span[:, :, g : g + chunk],
+                               levels[:, :, g : g + chunk], clips, origin, unit)
+                 for g in range(0, x.shape[2], chunk)]  # fmt: skip
+        return tuple(torch.cat(t, dim=2) for t in zip(*parts, strict=True))
+    clips = clips.to(x.device)
+    o, u = origin.float()[:, :, None, :, None], unit.float()[:, :, None, :, None]
+    wanted_low = low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1)  # [B, H, G, D, C]
+    wanted_high = low.unsqueeze(-1) + span.unsqueeze(-1) * (1 - clips[:, 1])
+    low_code = ((wanted_low - o) / u).floor().nan_to_num(0.0).clamp(0, GRID_CODES)
+    high_code = torch.maximum(((wanted_high - o) / u).ceil().nan_to_num(GRID_CODES).clamp(0, GRID_CODES), low_code)
+    lows, steps = _values(low_code, high_code, levels.unsqueeze(-1), o, u)
+    best = least_error(x, lows, steps, levels)
+    chosen_low, chosen_step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
+    codes = _grid_codes(x, chosen_low.float().unsqueeze(-2), chosen_step.float().unsqueeze(-2), levels.unsqueeze(-2))
+    pick = lambda t: t.gather(-1, best).squeeze(-1).to(torch.uint8)  # noqa: E731
+    return codes.to(torch.uint8), pick(low_code), pick(high_code)
