@@ -88,6 +88,13 @@ RERUNS = {
         "benchmarks/results/long_context_32k.json`: the whole 32K document (every cell's needles), the 32K cell's "
         "questions only, DeltaKVCache beside DynamicCache.",
     ),
+    "long_context_key_grid.json": (
+        "Keys' ranges on the prompt's grid over a long context",
+        '`long_context.py --models smollm2-135m --caches "delta:kf=64,key_bits=2.75,values=q3_0;delta:kf=64,'
+        'key_bits=3,values=q3_0,key_ranges=grid8" --max-tokens 8192 --no-memory --out '
+        "benchmarks/results/long_context_key_grid.json`: the grid fitted on the first chunk of 1,024 tokens, used to "
+        "8K, beside today's ranges at about the same bits.",
+    ),
     "long_context_16k_20.json": (
         "The 16K cell with 20 needles",
         "`long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --needles 20 --ask-cells "
