@@ -177,16 +177,19 @@ class AdaptiveChannelCodec(RawTailCodec):
         total = self._budget(dim)
         shapes = ((total, self.group // 8), (dim // 2,), (dim,), (dim,))
         dtypes = (torch.uint8, torch.uint8) + ((torch.float16,) * 2 if self.ranges == "fp16" else (torch.uint8,) * 2)
-        if self.ranges == "grid8" and self.origin is None:  # the grid: fitted on the tokens held raw (a prompt's)
-            self.origin, self.unit = key_grid.fit_base(self.tail)
+        grid = None
+        if self.ranges == "grid8":  # the grid: fitted on the tokens held raw at the first coding (a prompt's)
+            grid = (self.origin, self.unit) if self.origin is not None else key_grid.fit_base(self.tail)
         with batched_growth():  # the coded groups' four buffers grown (when they are) in one copy
-            self._code(complete, pad, weights, total, shapes, dtypes)
+            self._code(complete, pad, weights, total, shapes, dtypes, grid)
+        if grid is not None:
+            self.origin, self.unit = grid
         self._drop_rows("tail", take, keep_room=2 * self.group)  # (a prompt's whole tail is let go)
         for g in range(first, first + complete):
             self.before_group.pop(g, None)
         self.coded += complete
 
-    def _code(self, complete: int, pad: int, weights, total: int, shapes, dtypes) -> None:
+    def _code(self, complete: int, pad: int, weights, total: int, shapes, dtypes, grid=None) -> None:
         batch, heads = self.tail.shape[:2]
         out, rows = [], set()
         for name, shape, dtype in zip(self.coded_names, shapes, dtypes, strict=True):
@@ -195,8 +198,8 @@ class AdaptiveChannelCodec(RawTailCodec):
             out.append(buffer)
             rows.add(at)
         assert rows == {self.coded}, (rows, self.coded)  # the four tensors of the coded groups stay aligned
-        if self.ranges == "grid8":  # (the reference: no kernel codes the grid yet)
-            clip = functools.partial(key_grid.clipped_codes, origin=self.origin, unit=self.unit)
+        if grid is not None:  # (the reference: no kernel codes the grid yet)
+            clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1])
             kernels.reference.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at,
                                           clip=clip)  # fmt: skip
         else:
@@ -260,7 +263,7 @@ class AdaptiveChannelCodec(RawTailCodec):
             self.coded = keep
             self.tail = partial.contiguous()
         self.length = tokens
-        if not tokens:  # (nothing left: the next tokens are a new prompt, its grid fitted anew)
+        if not self.coded:  # (no group coded on the grid: it is fitted anew at the next coding)
             self.origin = self.unit = None
         self.observed = min(self.observed, self.first_group * self.group + self.pad + tokens)
         first_open = self.first_group + self.coded
