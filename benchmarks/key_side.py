@@ -44,6 +44,7 @@ import torch
 from paths import RESULTS, WIKITEXT_VALID, machine
 from value_sensitivity import SINKS
 
+from hf_deltakv.kernels.key_grid import GRID_MARGIN as MARGIN  # (the codec's grid reaches as far)
 from hf_deltakv.kernels.reference import CLIPS, allocate_bits, query_energy
 
 PROBE = "hf_deltakv_key_side"
@@ -52,7 +53,6 @@ DEPTH_BITS = 4  # a channel's depth per group (`quant.pack_4bit`)
 # variant -> side bits a channel and group (depth included); per-sequence base bits a channel
 VARIANTS = {"fp16": (36, 0), "fp8-step": (28, 0), "fp8": (20, 0), "grid8": (20, 32), "grid6": (16, 32),
             "grid4": (12, 32), "static": (DEPTH_BITS, 32)}  # fmt: skip
-MARGIN = 0.25  # the grid reaches this share of the base range beyond it on either side
 FP8_MANTISSA = 3
 
 

@@ -201,7 +201,7 @@ class AdaptiveChannelCodec(RawTailCodec):
         if grid is not None:  # (the reference: no kernel codes the grid yet)
             clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1])
             kernels.reference.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at,
-                                          clip=clip)  # fmt: skip
+                                          clip=clip, chunked=True)  # fmt: skip
         else:
             kernels.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at)
         for name in self.coded_names:

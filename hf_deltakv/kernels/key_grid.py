@@ -21,14 +21,13 @@ from __future__ import annotations
 import torch
 
 from ..quant import FP16_MAX
-from .reference import _grid_codes, least_error
+from .reference import best_candidate, candidate_ends
 
 GRID_CODES = 255  # the grid's last code: a range's low and high a byte each
 GRID_MARGIN = 0.25  # the grid reaches this share of the fitted range below its least and above its most
 SPAN_FLOOR = 1e-3  # a channel's fitted range is at least this share of the head's widest (a channel constant in the
 # prompt still gets a grid), and at least `ABSOLUTE_FLOOR`
 ABSOLUTE_FLOOR = 2.0**-14
-CANDIDATE_ELEMENTS = 1 << 20  # candidate codes per pass of `clipped_codes` (groups searched in chunks of ~4 MB)
 
 
 def fit_base(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,27 +64,18 @@ def ranges(
     return _values(low_code.float(), high_code.float(), levels.float(), origin, unit)
 
 
+@torch.no_grad()
 def clipped_codes(x, low, span, levels, clips, origin, unit):
     """`reference.clipped_codes` with the range on the grid `origin`, `unit` fp32 `[B, H, D]`: groups `x` fp32
     `[B, H, G, group, D]`; each candidate of `clips` rounded outward onto the grid (clipped at its ends), the one of
-    least squared error kept. Returns codes uint8 `[B, H, G, group, D]` (against `ranges` of the kept grid codes) and
-    the grid codes of low and high, uint8 `[B, H, G, D]`."""
-    per_group = x[:, :, :1].numel() * len(clips)
-    chunk = max(1, CANDIDATE_ELEMENTS // max(per_group, 1))
-    if x.shape[2] > chunk:
-        parts = [clipped_codes(x[:, :, g : g + chunk], low[:, :, g : g + chunk], span[:, :, g : g + chunk],
-                               levels[:, :, g : g + chunk], clips, origin, unit)
-                 for g in range(0, x.shape[2], chunk)]  # fmt: skip
-        return tuple(torch.cat(t, dim=2) for t in zip(*parts, strict=True))
-    clips = clips.to(x.device)
+    least squared error kept (`reference.best_candidate`). Returns codes uint8 `[B, H, G, group, D]` (against `ranges`
+    of the kept grid codes) and the grid codes of low and high, uint8 `[B, H, G, D]`. It keeps every candidate's
+    error, as the reference does: `reference.encode_groups(..., chunked=True)` gives it the groups in chunks."""
     o, u = origin.float()[:, :, None, :, None], unit.float()[:, :, None, :, None]
-    wanted_low = low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1)  # [B, H, G, D, C]
-    wanted_high = low.unsqueeze(-1) + span.unsqueeze(-1) * (1 - clips[:, 1])
+    wanted_low, wanted_high = candidate_ends(low, span, clips)  # [B, H, G, D, C]
     low_code = ((wanted_low - o) / u).floor().nan_to_num(0.0).clamp(0, GRID_CODES)
     high_code = torch.maximum(((wanted_high - o) / u).ceil().nan_to_num(GRID_CODES).clamp(0, GRID_CODES), low_code)
     lows, steps = _values(low_code, high_code, levels.unsqueeze(-1), o, u)
-    best = least_error(x, lows, steps, levels)
-    chosen_low, chosen_step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
-    codes = _grid_codes(x, chosen_low.float().unsqueeze(-2), chosen_step.float().unsqueeze(-2), levels.unsqueeze(-2))
+    codes, _, _, best = best_candidate(x, lows, steps, levels)
     pick = lambda t: t.gather(-1, best).squeeze(-1).to(torch.uint8)  # noqa: E731
-    return codes.to(torch.uint8), pick(low_code), pick(high_code)
+    return codes, pick(low_code), pick(high_code)

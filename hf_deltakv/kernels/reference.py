@@ -447,24 +447,35 @@ def clipped_codes(x: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels
 
     The candidates' errors are computed in place in one `[..., group, D, candidates]` buffer (the search is bound by
     memory traffic); the chosen candidate's codes are then computed again, by the same arithmetic."""
-    clips = clips.to(x.device)
-    lows = (low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-    highs = low.unsqueeze(-1) + span.unsqueeze(-1) * (1 - clips[:, 1])
+    wanted_low, highs = candidate_ends(low, span, clips)
+    lows = wanted_low.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     steps = ((highs - lows.float()) / levels.unsqueeze(-1)).clamp(0, FP16_MAX).to(torch.float16)  # [..., D, C]
-    best = least_error(x, lows, steps, levels)  # ties (and NaN) keep the whole range
-    low, step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
-    codes = _grid_codes(x, low.float().unsqueeze(-2), step.float().unsqueeze(-2), levels.unsqueeze(-2))
-    return codes.to(torch.uint8), low, step
+    codes, low, step, _ = best_candidate(x, lows, steps, levels)  # ties (and NaN) keep the whole range
+    return codes, low, step
 
 
-def least_error(x: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """The candidate range (`lows`, `steps` fp16 `[..., D, C]`) that codes groups `x` `[..., group, D]` at `levels`
-    `[..., D]` with the least squared error per channel: its index `[..., D, 1]` (ties and NaN: the first). The
-    errors are computed in place in one `[..., group, D, C]` buffer."""
+def candidate_ends(low: torch.Tensor, span: torch.Tensor, clips: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ends each candidate of `clips` (rows of `CLIPS`: the fractions given up at the low and the high end) wants
+    for channels from `low` over `span` `[..., D]`: fp32 `[..., D, C]` each."""
+    clips = clips.to(low.device)
+    return low.unsqueeze(-1) + clips[:, 0] * span.unsqueeze(-1), low.unsqueeze(-1) + span.unsqueeze(-1) * (
+        1 - clips[:, 1]
+    )
+
+
+@torch.no_grad()
+def best_candidate(x: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor, levels: torch.Tensor):
+    """Of the candidate ranges (`lows`, `steps` fp16 `[..., D, C]`) for groups `x` `[..., group, D]` at `levels`
+    `[..., D]`, the one of least squared error per channel (ties and NaN: the first; the errors computed in place in
+    one `[..., group, D, C]` buffer): the codes uint8 `[..., group, D]` against it, its low and step `[..., D]` and its
+    index `[..., D, 1]`."""
     step_f, low_f = steps.float().unsqueeze(-3), lows.float().unsqueeze(-3)  # [..., 1, D, C]
     error = _grid_codes(x.unsqueeze(-1), low_f, step_f, levels.unsqueeze(-2).unsqueeze(-1))
     error.mul_(step_f).add_(low_f).sub_(x.unsqueeze(-1)).square_()
-    return error.sum(-3).nan_to_num_(float("inf")).argmin(-1, keepdim=True)
+    best = error.sum(-3).nan_to_num_(float("inf")).argmin(-1, keepdim=True)
+    low, step = lows.gather(-1, best).squeeze(-1), steps.gather(-1, best).squeeze(-1)
+    codes = _grid_codes(x, low.float().unsqueeze(-2), step.float().unsqueeze(-2), levels.unsqueeze(-2))
+    return codes.to(torch.uint8), low, step, best
 
 
 def _grid_codes(x: torch.Tensor, low: torch.Tensor, step: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -482,13 +493,16 @@ def encode_groups(
     allocate=allocate_depths,
     pack=_pack_planes,
     clip=clipped_codes,
+    chunked: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The adaptive keys' coding (`codecs.adaptive`) of groups `x` fp32 `[B, H, G, group, D]`: per group and channel
     a depth (`allocate_bits` of the range squared times `weights` fp32 `[B, H, G, D]`, the queries' mean pair
     energies, or the range alone when None), the clipped range that codes the channel best (`clipped_codes`; only the
     whole range without `clip_range`), and the codes as bit planes. Returns (planes, packed depths, low, step);
     `allocate`, `pack` and `clip` are `allocate_depths`, `quant.bitplanes.pack_planes` and `clipped_codes` or
-    kernels of their signatures."""
+    kernels of their signatures (`clip` may return other range state than low and step: it is returned as given).
+    `chunked`: whether `clip` keeps a buffer of every candidate, so groups go to it in chunks of `CLIP_ELEMENTS`
+    candidate codes (default: for `clipped_codes`; a kernel keeps none and takes them all in one pass)."""
     low, high = x.amin(3), x.amax(3)
     span = high - low
     score = span.pow(2) if weights is None else span.pow(2) * weights
@@ -496,7 +510,7 @@ def encode_groups(
     levels = ((1 << depths.long()) - 1).float()
     clips = CLIPS if clip_range else CLIPS[:1]  # the first candidate is the whole range
     chunk = max(1, CLIP_ELEMENTS // max(x[:, :, :1].numel() * len(clips), 1))  # groups per pass of the reference
-    chunk = chunk if clip is clipped_codes else x.shape[2]  # (a kernel keeps no candidates' buffer: one pass)
+    chunk = chunk if (clip is clipped_codes if chunked is None else chunked) else x.shape[2]
     parts = [
         clip(*(t[:, :, g : g + chunk] for t in (x, low, span, levels)), clips) for g in range(0, x.shape[2], chunk)
     ]
@@ -516,6 +530,7 @@ def code_groups(
     allocate=allocate_depths,
     pack=_pack_planes,
     clip=clipped_codes,
+    chunked: bool | None = None,
 ) -> None:
     """Code the first `groups` complete groups of an adaptive stream's raw tail into rows `at:at + groups` of its
     storage (`encode_groups`).
@@ -526,14 +541,16 @@ def code_groups(
         weights: fp32 `[B, H, groups, D]` or None (see `encode_groups`).
         total: bits per token of a group (`bits * D`).
         out: planes `uint8 [B, H, rows, total, group / 8]`, packed depths `uint8 [B, H, rows, D / 2]`, low and step
-            fp16 `[B, H, rows, D]`: storage with room for the new rows.
+            fp16 `[B, H, rows, D]`: storage with room for the new rows (or what `clip` returns in their place).
+        allocate, pack, clip, chunked: as `encode_groups`.
     """
     group = out[0].shape[-1] * 8
     batch, heads, _, dim = tail.shape
     x = tail[:, :, : groups * group - pad].float()
     if pad:
         x = torch.cat([x[:, :, :1].expand(batch, heads, pad, dim), x], dim=2)
-    coded = encode_groups(x.view(batch, heads, groups, group, dim), weights, total, clip_range, allocate, pack, clip)
+    x = x.view(batch, heads, groups, group, dim)
+    coded = encode_groups(x, weights, total, clip_range, allocate, pack, clip, chunked)
     for stored, rows in zip(out, coded, strict=True):
         stored[:, :, at : at + groups] = rows
 
