@@ -183,9 +183,11 @@ def run_model(
     stride: int,
     retrieval: bool,
     ask_cells: tuple[int, ...],
+    first_chunk: int | None = None,
 ) -> dict:
     """One model's pass: KL per bucket for every cache; with `retrieval`, the needles of the cells in `ask_cells` (the
-    document carries every cell's needles either way, so a cell asked alone is the cell of a full run)."""
+    document carries every cell's needles either way, so a cell asked alone is the cell of a full run). `first_chunk`:
+    the first chunk's tokens (default `chunk`), a short prompt before the rest comes in chunks of `chunk`."""
     model, tokenizer = load_model(name)
     ids, placed, _ = build_document(tokenizer, max_len, retrieval)
     live = {n: make(n, model) for n in ("dynamic", *caches)}
@@ -193,8 +195,9 @@ def run_model(
     kl_count = [0] * (len(BUCKETS) - 1)
     retrieval_rows, turns = [], {}
     started = time.time()
-    for start in range(0, ids.numel(), chunk):
-        piece = ids[start : start + chunk][None]
+    first = first_chunk or chunk
+    for start in (0, *range(first, ids.numel(), chunk)):
+        piece = ids[start : start + (first if start == 0 else chunk)][None]
         keep = torch.arange(0, piece.shape[1], stride)  # positions scored in this chunk
         logprobs = {}
         for n, cache in live.items():
@@ -226,7 +229,7 @@ def run_model(
     reachable = {n: reachable_bytes(c) for n, c in live.items() if hasattr(c, "nbytes")}  # what nbytes() must match
     kl_rows = [{"cache": n, "buckets": [{"from": BUCKETS[b], "to": BUCKETS[b + 1], "kl": kl_sum[n][b] / kl_count[b]}
                                         for b in range(len(BUCKETS) - 1) if kl_count[b]]} for n in caches]  # fmt: skip
-    return {"model": name, "tokens": int(ids.numel()), "chunk": chunk, "stride": stride,
+    return {"model": name, "tokens": int(ids.numel()), "chunk": chunk, "first_chunk": first, "stride": stride,
             "cells": [c for c in ask_cells if c <= ids.numel()] if retrieval else [], "kl": kl_rows,
             "retrieval": retrieval_rows,
             "multi_turn": turns, "bytes_held": nbytes, "reachable_bytes": reachable,
@@ -341,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--caches", default=None, help="caches for every model (default: each model's, MODELS)")
     parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument(
+        "--first-chunk",
+        type=int,
+        default=None,
+        help="the first chunk's tokens (a short prompt; default --chunk), the rest in --chunk",
+    )
     parser.add_argument("--stride", type=int, default=4, help="score every stride-th position")
     parser.add_argument("--memory-caches", default="dynamic,delta")
     parser.add_argument("--memory-lengths", default="8192,32768")
@@ -407,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (length, caches) in models.items():
         retrieval = name == retrieval_model
-        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval, ask_cells))
+        results.append(run_model(name, length, caches, args.chunk, args.stride, retrieval, ask_cells,
+                                 args.first_chunk))  # fmt: skip
         save(done=False)
     if asked:
         memory(memory_model, memory_caches, memory_lengths, args.chunk, 16 if args.quick else DECODE_STEPS,

@@ -95,6 +95,13 @@ RERUNS = {
         "benchmarks/results/long_context_key_grid.json`: the grid fitted on the first chunk of 1,024 tokens, used to "
         "8K, beside today's ranges at about the same bits.",
     ),
+    "long_context_key_grid_short.json": (
+        "Keys' ranges on a short prompt's grid over a long context",
+        '`long_context.py --models smollm2-135m --caches "delta;delta:key_bits=4.5,key_ranges=grid8;delta:kf=64,'
+        'key_bits=2.75,values=q3_0;delta:kf=64,key_bits=3,values=q3_0,key_ranges=grid8" --max-tokens 8192 '
+        "--first-chunk 64 --no-memory --out benchmarks/results/long_context_key_grid_short.json`: the grid fitted on "
+        "the first 60 tokens (a 64-token prompt less the 4 sinks), then the document in chunks of 1,024 to 8K.",
+    ),
     "long_context_16k_20.json": (
         "The 16K cell with 20 needles",
         "`long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --needles 20 --ask-cells "
@@ -127,6 +134,8 @@ CURRENT = (
     "compiled_decode_residual.json",
     "ab_decode.json",
     "ab_decode_step_ops.json",
+    "decode_speed_key_grid.json",
+    "ab_caches_key_grid.json",
     *RERUNS,
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
@@ -134,6 +143,7 @@ DECODE_RUNS = {
     "decode_speed.json": "",
     "decode_speed_residual.json": ", the residual cache coding 16 tokens at a time while decoding (`CODE_BATCH`)",
     "decode_speed_8k.json": ", 8K prompts in bf16",
+    "decode_speed_key_grid.json": ", keys' ranges on the grid (`key_ranges=\"grid8\"`) beside today's, bf16 at 4K",
 }
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
 
@@ -586,6 +596,17 @@ def results() -> None:
             + machine_line(cfg).removesuffix("\n")
         )
         print(ab_table(ab["rows"]))
+    for name in ("ab_caches_key_grid.json",):  # caches' decoding steps interleaved in one process
+        ab = _load(name)
+        if not ab:
+            continue
+        from ab_caches import markdown as caches_table
+
+        cfg = ab["config"]
+        print(f"\n## Caches' decoding steps interleaved (`ab_caches.py`, `{name}`)\n\n`ab_caches.py --caches "
+              f"\"{cfg['caches']}\"`: {cfg['new']} steps of each cache in turn after a {cfg['ctx']}-token prompt, "
+              f"{cfg['dtype']}, medians over the steps.\n\n" + machine_line(cfg).removesuffix("\n"))  # fmt: skip
+        print(caches_table(ab["rows"]))
     gpu_path_tables()
     triton_table()
     gpu_prediction_table()

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from hf_deltakv import kernels
+from hf_deltakv.kernels import key_grid
 from hf_deltakv.kernels.cpu import extension
 from hf_deltakv.kernels.hadamard import rotate
 from hf_deltakv.quant import QuantizedTensor
@@ -162,10 +163,19 @@ def test_bit_planes_kernels_match_the_reference(group, dim, seed):
 
 
 def _same_clipped(x, levels, clips):
+    """The C++ range search gives the reference's bytes, for today's fp16 ranges (`clipped_codes`) and for the grid's
+    (`key_grid.clipped_codes` searched by `best_candidate`; the grid fitted on the first half of the tokens, so that
+    the rest reach beyond it and are clipped at its ends)."""
     low, span = x.amin(-2), x.amax(-2) - x.amin(-2)
     want = kernels.reference.clipped_codes(x, low, span, levels, clips)
     got = kernels.clipped_codes(x, low, span, levels, clips)
-    for a, b in zip(want, got, strict=True):
+    group, dim = x.shape[-2:]
+    xs = x.reshape(1, -1, 1, group, dim)  # as the codec's groups [B, H, G, group, D]
+    ranges = tuple(t.reshape(1, -1, 1, dim) for t in (low, span, levels))
+    grid = key_grid.fit_base(xs[:, :, 0, : max(1, group // 2)])
+    want_grid = key_grid.clipped_codes(xs, *ranges, clips, *grid)
+    got_grid = key_grid.clipped_codes(xs, *ranges, clips, *grid, search=kernels.best_candidate)
+    for a, b in zip(want + want_grid, got + got_grid, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -204,6 +214,28 @@ def test_clipped_codes_kernel_on_edge_groups():
     levels[:, ::3] = 255.0
     _same_clipped(x, levels, kernels.reference.CLIPS)
     _same_clipped(x, levels, kernels.reference.CLIPS[:1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 16, 64, 256]), st.floats(1e-6, 1e5))
+def test_grid_ranges_kernel_gives_the_reference_bytes(seed, dim, scale):
+    """The grid's fp16 low and step (`key_grid.ranges`, derived at every read) in C++: the reference's bytes, from
+    views of storage with room (strided rows), depths 1-8 (and 0), codes 0-255, grids up to fp16's range and beyond
+    (the ends saturate)."""
+    from hf_deltakv.quant import pack_4bit, unpack_4bit
+
+    g = torch.Generator().manual_seed(seed)
+    room = torch.randint(0, 256, (2, 3, 9, dim), generator=g, dtype=torch.uint8)
+    low_code, high_code = room[:, :, :6], room[:, :, 2:8].maximum(room[:, :, :6])  # views of buffers with room
+    depths = pack_4bit(torch.randint(0, 9, (2, 3, 9, dim), generator=g, dtype=torch.uint8))[:, :, :6]
+    origin = torch.randn(2, 3, dim, generator=g) * scale
+    unit = torch.rand(2, 3, dim, generator=g) * scale / 100
+    origin[0, 0, 0], unit[0, 0, 0] = 6.0e4, 50.0  # (an end beyond fp16's range: saturated)
+    levels = (1 << unpack_4bit(depths).long()) - 1
+    want = key_grid.ranges(low_code, high_code, levels, origin, unit)
+    got = kernels.grid_ranges(low_code, high_code, depths, origin, unit)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype == torch.float16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @settings(max_examples=80, deadline=None)

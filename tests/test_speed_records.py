@@ -14,7 +14,7 @@ import paths  # noqa: E402
 
 # The scripts that write speed: each records `machine()` in its JSON's config.
 SPEED_SCRIPTS = ("decode_speed.py", "weight_skip.py", "encode_cost.py", "matvec_layouts.py", "newcomer.py",
-                 "gpu_decode.py")  # fmt: skip
+                 "gpu_decode.py", "ab_caches.py")  # fmt: skip
 
 
 def test_the_machine_is_described():

@@ -21,14 +21,12 @@ channel and group) did not pay and is not used here.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import kernels
 from ..kernels import key_grid
 from ..kernels.reference import CLIP_ELEMENTS, CLIPS, allocate_bits, clipped_codes  # noqa: F401 - the codec's spec
-from ..quant import owned, saturate_fp16, unpack_4bit
+from ..quant import owned, saturate_fp16
 from ..quant.bitplanes import MAX_BITS
 from .base import RawTailCodec, batched_growth
 
@@ -48,7 +46,8 @@ class AdaptiveChannelCodec(RawTailCodec):
         clip_range: code each channel over the clipped range of `CLIPS` with the least error (off: its whole range).
         ranges: how a group's channel range is held: `"fp16"` (low and step, 32 bits) or `"grid8"` (a byte each
             for its low and high on a grid fitted per sequence on the first tokens coded: `kernels.key_grid`;
-            experimental: coded by the reference, read by every kernel through the fp16 ranges it derives).
+            experimental: its candidates rounded onto the grid by the reference and searched by the C++ kernel on
+            the CPU (by the reference on GPUs), read by every kernel through the fp16 ranges it derives).
     """
 
     def __init__(
@@ -198,12 +197,7 @@ class AdaptiveChannelCodec(RawTailCodec):
             out.append(buffer)
             rows.add(at)
         assert rows == {self.coded}, (rows, self.coded)  # the four tensors of the coded groups stay aligned
-        if grid is not None:  # (the reference: no kernel codes the grid yet)
-            clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1])
-            kernels.reference.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at,
-                                          clip=clip, chunked=True)  # fmt: skip
-        else:
-            kernels.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at)
+        kernels.code_groups(self.tail, pad, complete, weights, total, self.clip_range, tuple(out), at, grid)
         for name in self.coded_names:
             self._commit_rows(name, complete)  # in a buffer with room: a flush does not copy the history
 
@@ -273,8 +267,7 @@ class AdaptiveChannelCodec(RawTailCodec):
         """fp16 low and step of the coded groups, as the kernels read them (grid ranges: derived from the codes)."""
         if self.ranges == "fp16" or self.low_code is None:
             return self.low, self.step
-        levels = (1 << unpack_4bit(self.depths).long()) - 1
-        return key_grid.ranges(self.low_code, self.high_code, levels, self.origin, self.unit)
+        return kernels.grid_ranges(self.low_code, self.high_code, self.depths, self.origin, self.unit)
 
     def layout(self) -> kernels.AdaptiveStream:
         self.flush()

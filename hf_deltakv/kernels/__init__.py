@@ -20,7 +20,11 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     allocate_depths    cpu                         | - (inside code_groups on GPUs)
     pack_planes        cpu                         | - (inside code_groups on GPUs)
     clipped_codes      cpu                         | - (inside code_groups on GPUs)
-    code_groups        the three above             | triton/adaptive_code.py (a group's whole coding, one launch)
+    best_candidate     cpu (clipped_codes' search) | -
+    grid_ranges        cpu/encode.cpp              | - (the grid's fp16 ranges, derived at every read)
+    code_groups        the three above; the grid's | triton/adaptive_code.py (a group's whole coding, one launch);
+                       ranges: key_grid's candidates |   the grid's ranges: the reference
+                       and best_candidate          |
     copy_rows          -                           | triton/copy.py (grown storage, 8 copies a launch)
     decode_stream      cpu (adaptive groups)       | -
     decode_into        cpu/stream_attention.cpp    | triton/reconstruct.py (adaptive keys, plain values)
@@ -67,9 +71,9 @@ import os
 
 import torch
 
-from ..quant import Kind, QuantizedTensor, get_format
+from ..quant import Kind, QuantizedTensor, get_format, unpack_4bit
 from ..quant.bitpack import GROUP
-from . import reference
+from . import key_grid, reference
 from .cpu.stream_attention import HEAD_DIMS as CPU_HEAD_DIMS
 from .hadamard import rotate
 from .layout import (
@@ -559,6 +563,36 @@ def clipped_codes(
     return codes.view(*lead, group, dim), low.view(*lead, dim), step.view(*lead, dim)
 
 
+def best_candidate(
+    x: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor, levels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.best_candidate` (of given candidate ranges, each channel's of least squared error, and the codes),
+    dispatched: the C++ search of `clipped_codes` on the CPU (the same bytes but where two candidates' errors tie to
+    the last bit, tested), the reference otherwise."""
+    compiled = _cpu_extension(x.device) if x.dtype == torch.float32 else None
+    if compiled is None:
+        return reference.best_candidate(x, lows, steps, levels)
+    lead, (group, dim) = x.shape[:-2], x.shape[-2:]
+    count = lows.shape[-1]
+    flat = (t.reshape(-1, dim, count) for t in (lows, steps))
+    codes, low, step, best = compiled.best_candidate(x.reshape(-1, group, dim), *flat, levels.reshape(-1, dim))
+    return codes.view(*lead, group, dim), low.view(*lead, dim), step.view(*lead, dim), best.view(*lead, dim, 1)
+
+
+def grid_ranges(
+    low_code: torch.Tensor, high_code: torch.Tensor, depths: torch.Tensor, origin: torch.Tensor, unit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`key_grid.ranges` of grid-coded groups (codes uint8 `[B, H, G, D]`, packed depths `[B, H, G, D / 2]`, the grid
+    fp32 `[B, H, D]`): the fp16 low and step every kernel reads, dispatched: one C++ call on the CPU (the same bytes,
+    tested), the reference's elementwise ops otherwise."""
+    compiled = _cpu_extension(low_code.device)
+    if compiled is None:
+        levels = (1 << unpack_4bit(depths).long()) - 1
+        return key_grid.ranges(low_code, high_code, levels, origin, unit)
+    low, step = compiled.grid_ranges(low_code, high_code, depths, origin.float(), unit.float())
+    return low, step
+
+
 def code_groups(
     tail: torch.Tensor,
     pad: int,
@@ -568,10 +602,20 @@ def code_groups(
     clip_range: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     at: int,
+    grid: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """`reference.code_groups` (the adaptive keys' coding of complete groups, written into their storage's rows),
     dispatched: one Triton launch on GPUs; elsewhere the reference with the depths, ranges and planes of
-    `allocate_depths`, `clipped_codes` and `pack_planes` (C++ on the CPU). The same bytes (tested)."""
+    `allocate_depths`, `clipped_codes` and `pack_planes` (C++ on the CPU). The same bytes (tested). `grid` (origin,
+    unit: `key_grid`): the ranges on that grid, `out` holding their codes; the candidates are rounded onto it by the
+    reference (`key_grid.clipped_codes`) and searched by `best_candidate` (C++ on the CPU), on GPUs too."""
+    if grid is not None:
+        search = best_candidate if _cpu_extension(tail.device) is not None else reference.best_candidate
+        clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1], search=search)
+        chunked = search is reference.best_candidate  # (the reference keeps every candidate's codes; C++ none)
+        return reference.code_groups(
+            tail, pad, groups, weights, total, clip_range, out, at, allocate_depths, pack_planes, clip, chunked
+        )
     if use_triton(tail.device):
         from .triton.adaptive_code import code_groups as kernel
         from .triton.adaptive_code import serves

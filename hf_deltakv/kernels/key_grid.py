@@ -65,7 +65,7 @@ def ranges(
 
 
 @torch.no_grad()
-def clipped_codes(x, low, span, levels, clips, origin, unit):
+def clipped_codes(x, low, span, levels, clips, origin, unit, search=best_candidate):
     """`reference.clipped_codes` with the range on the grid `origin`, `unit` fp32 `[B, H, D]`: groups `x` fp32
     `[B, H, G, group, D]`; each candidate of `clips` rounded outward onto the grid (clipped at its ends), the one of
     least squared error kept (`reference.best_candidate`). Returns codes uint8 `[B, H, G, group, D]` (against `ranges`
@@ -76,6 +76,6 @@ def clipped_codes(x, low, span, levels, clips, origin, unit):
     low_code = ((wanted_low - o) / u).floor().nan_to_num(0.0).clamp(0, GRID_CODES)
     high_code = torch.maximum(((wanted_high - o) / u).ceil().nan_to_num(GRID_CODES).clamp(0, GRID_CODES), low_code)
     lows, steps = _values(low_code, high_code, levels.unsqueeze(-1), o, u)
-    codes, _, _, best = best_candidate(x, lows, steps, levels)
+    codes, _, _, best = search(x, lows, steps, levels)
     pick = lambda t: t.gather(-1, best).squeeze(-1).to(torch.uint8)  # noqa: E731
     return codes, pick(low_code), pick(high_code)

@@ -595,6 +595,79 @@ at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes) {
   return out;
 }
 
+namespace {
+
+namespace L = hfd::lanes;
+
+// reference._grid_codes: round((x - low) * inverse), NaN to 0, within [0, top]
+inline float grid_code(float v, float l, float inverse, float top) {
+  float k = std::nearbyint((v - l) * inverse);
+  k = k == k ? k : 0.f;
+  return std::min(std::max(k, 0.f), top);
+}
+
+// `grid_code` on W lanes (max(k, 0) is 0 where k is NaN: lanes.h's max returns its second operand)
+inline L::F grid_lanes(L::F x, L::F lo, L::F inv, L::F top) {
+  return L::min(L::max(L::round_even(L::mul(L::sub(x, lo), inv)), L::zero()), top);
+}
+
+// reference.best_candidate for one group xg fp32 [group, D] at levels `top` [D]: of the `count` candidate ranges
+// (lows, steps, inverses fp32 [count, D], fp16 values), each channel's of least squared error (NaN: infinite, then
+// the first least, as nan_to_num(inf).argmin); the chosen candidate is moved to row 0, its index to best [D], and the
+// group's codes against it written to out uint8 [group, D]. `errors`: room for count * D floats.
+void least_error(const float* xg, int64_t group, int64_t dim, int64_t count, const float* top, float* lows,
+                 float* steps, float* inverses, float* errors, int64_t* best_index, uint8_t* out) {
+  if (count > 1) {
+    std::fill(errors, errors + count * dim, 0.f);
+    for (int64_t c = 0; c < count; ++c) {
+      const float *l = lows + c * dim, *s = steps + c * dim, *inv = inverses + c * dim;
+      float* err = errors + c * dim;
+      int64_t d0 = 0;  // channels summed W at a time, each channel's sum in a register over the tokens (lanes.h)
+      for (; d0 + L::W <= dim; d0 += L::W) {
+        const L::F vl = L::load(l + d0), vs = L::load(s + d0), vi = L::load(inv + d0), vt = L::load(top + d0);
+        L::F sum = L::zero();
+        for (int64_t t = 0; t < group; ++t) {
+          const L::F v = L::load(xg + t * dim + d0);
+          const L::F k = grid_lanes(v, vl, vi, vt);
+          const L::F e = L::sub(L::add(L::mul(k, vs), vl), v);
+          sum = L::add(sum, L::mul(e, e));
+        }
+        L::store(err + d0, sum);
+      }
+      for (int64_t t = 0; t < group; ++t) {
+        const float* v = xg + t * dim;
+        for (int64_t d = d0; d < dim; ++d) {
+          const float e = (grid_code(v[d], l[d], inv[d], top[d]) * s[d] + l[d]) - v[d];
+          err[d] += e * e;
+        }
+      }
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) {  // the chosen candidate of each channel, its row moved to candidate 0
+    int64_t best = 0;
+    float least = 0.f;
+    for (int64_t c = 0; c < count && count > 1; ++c) {  // nan_to_num(inf), then the first least (argmin)
+      float e = errors[c * dim + d];
+      e = e != e ? std::numeric_limits<float>::infinity()
+                 : (e == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::max() : e);
+      if (c == 0 || e < least) best = c, least = e;
+    }
+    lows[d] = lows[best * dim + d], steps[d] = steps[best * dim + d], inverses[d] = inverses[best * dim + d];
+    best_index[d] = best;
+  }
+  for (int64_t t = 0; t < group; ++t) {
+    const float* v = xg + t * dim;
+    uint8_t* row = out + t * dim;
+    int64_t d = 0;
+    for (; d + L::W <= dim; d += L::W) {
+      L::store_bytes(row + d, grid_lanes(L::load(v + d), L::load(lows + d), L::load(inverses + d), L::load(top + d)));
+    }
+    for (; d < dim; ++d) row[d] = static_cast<uint8_t>(grid_code(v[d], lows[d], inverses[d], top[d]));
+  }
+}
+
+}  // namespace
+
 // The adaptive keys' clipped ranges (kernels/reference.py: clipped_codes, the same fp32 operations in its order):
 // each channel of a group coded over the candidate range of `clips` with the least squared error, and its codes.
 // x fp32 [N, G, D], low and span fp32 [N, D] (the group's whole range), levels fp32 [N, D] (2^depth - 1), clips fp32
@@ -620,21 +693,11 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
   const float *pt = levels.data_ptr<float>(), *pc = clips.data_ptr<float>();
   uint8_t* pcodes = codes.data_ptr<uint8_t>();
   at::Half *plow = out_low.data_ptr<at::Half>(), *pstep = out_step.data_ptr<at::Half>();
-  // reference._grid_codes: round((x - low) * inverse), NaN to 0, within [0, top]
-  auto grid = [](float v, float l, float inverse, float top) {
-    float k = std::nearbyint((v - l) * inverse);
-    k = k == k ? k : 0.f;
-    return std::min(std::max(k, 0.f), top);
-  };
-  namespace L = hfd::lanes;
-  // `grid` on W lanes (max(k, 0) is 0 where k is NaN: lanes.h's max returns its second operand)
-  const auto grid_lanes = [](L::F x, L::F lo, L::F inv, L::F top) {
-    return L::min(L::max(L::round_even(L::mul(L::sub(x, lo), inv)), L::zero()), top);
-  };
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> lows(count * dim), steps(count * dim), inverses(count * dim), errors(count * dim);
+    std::vector<int64_t> best(dim);
     for (int64_t g = begin; g < end; ++g) {
-      const float *xg = px + g * group * dim, *lo = pl + g * dim, *sp = ps + g * dim, *top = pt + g * dim;
+      const float *lo = pl + g * dim, *sp = ps + g * dim, *top = pt + g * dim;
       for (int64_t c = 0; c < count; ++c) {  // each candidate's fp16 low and step per channel, W channels at a time
         const float give = pc[2 * c], keep = 1.0f - pc[2 * c + 1];
         float *l = lows.data() + c * dim, *s = steps.data() + c * dim, *inv = inverses.data() + c * dim;
@@ -654,57 +717,103 @@ std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor s
           inv[d] = s[d] > 0.f ? 1.0f / s[d] : 0.f;
         }
       }
-      if (count > 1) {
-        std::fill(errors.begin(), errors.end(), 0.f);
-        for (int64_t c = 0; c < count; ++c) {
-          const float *l = lows.data() + c * dim, *s = steps.data() + c * dim, *inv = inverses.data() + c * dim;
-          float* err = errors.data() + c * dim;
-          int64_t d0 = 0;  // channels summed W at a time, each channel's sum in a register over the tokens (lanes.h)
-          for (; d0 + L::W <= dim; d0 += L::W) {
-            const L::F vl = L::load(l + d0), vs = L::load(s + d0), vi = L::load(inv + d0), vt = L::load(top + d0);
-            L::F sum = L::zero();
-            for (int64_t t = 0; t < group; ++t) {
-              const L::F v = L::load(xg + t * dim + d0);
-              const L::F k = grid_lanes(v, vl, vi, vt);
-              const L::F e = L::sub(L::add(L::mul(k, vs), vl), v);
-              sum = L::add(sum, L::mul(e, e));
-            }
-            L::store(err + d0, sum);
-          }
-          for (int64_t t = 0; t < group; ++t) {
-            const float* v = xg + t * dim;
-            for (int64_t d = d0; d < dim; ++d) {
-              const float e = (grid(v[d], l[d], inv[d], top[d]) * s[d] + l[d]) - v[d];
-              err[d] += e * e;
-            }
-          }
-        }
-      }
-      for (int64_t d = 0; d < dim; ++d) {  // the chosen candidate of each channel, its row moved to candidate 0
-        int64_t best = 0;
-        float least = 0.f;
-        for (int64_t c = 0; c < count && count > 1; ++c) {  // nan_to_num(inf), then the first least (argmin)
-          float e = errors[c * dim + d];
-          e = e != e ? std::numeric_limits<float>::infinity()
-                     : (e == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::max() : e);
-          if (c == 0 || e < least) best = c, least = e;
-        }
-        lows[d] = lows[best * dim + d], steps[d] = steps[best * dim + d], inverses[d] = inverses[best * dim + d];
+      least_error(px + g * group * dim, group, dim, count, top, lows.data(), steps.data(), inverses.data(),
+                  errors.data(), best.data(), pcodes + g * group * dim);
+      for (int64_t d = 0; d < dim; ++d) {
         plow[g * dim + d] = static_cast<c10::Half>(lows[d]), pstep[g * dim + d] = static_cast<c10::Half>(steps[d]);
-      }
-      const float *l = lows.data(), *inv = inverses.data();
-      for (int64_t t = 0; t < group; ++t) {
-        const float* v = xg + t * dim;
-        uint8_t* out = pcodes + (g * group + t) * dim;
-        int64_t d = 0;
-        for (; d + L::W <= dim; d += L::W) {
-          L::store_bytes(out + d, grid_lanes(L::load(v + d), L::load(l + d), L::load(inv + d), L::load(top + d)));
-        }
-        for (; d < dim; ++d) out[d] = static_cast<uint8_t>(grid(v[d], l[d], inv[d], top[d]));
       }
     }
   });
   return {codes, out_low, out_step};
+}
+
+// The search alone (kernels/reference.py: best_candidate): of candidate ranges given as fp16 lows and steps [N, D, C]
+// (the grid's, kernels/key_grid.py), each channel's of least squared error over the groups x fp32 [N, G, D] at levels
+// fp32 [N, D]. Returns codes uint8 [N, G, D], the chosen low and step fp16 [N, D] and its index int64 [N, D]. The same
+// exception as clipped_codes: a tie to the last bit may pick another candidate of the same error.
+std::vector<at::Tensor> best_candidate(at::Tensor x, at::Tensor lows, at::Tensor steps, at::Tensor levels) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3, "x must be fp32 [N, G, D]");
+  const int64_t n = x.size(0), group = x.size(1), dim = x.size(2);
+  TORCH_CHECK(lows.scalar_type() == at::kHalf && steps.scalar_type() == at::kHalf && lows.dim() == 3 &&
+                  lows.sizes() == steps.sizes() && lows.size(0) == n && lows.size(1) == dim && lows.size(2) >= 1,
+              "lows and steps must be fp16 [N, D, C], C >= 1");
+  TORCH_CHECK(levels.scalar_type() == at::kFloat && levels.dim() == 2 && levels.size(0) == n && levels.size(1) == dim,
+              "levels must be fp32 [N, D]");
+  x = x.contiguous(), levels = levels.contiguous();
+  const int64_t count = lows.size(2);
+  const auto candidates = [&](const at::Tensor& t) { return t.to(at::kFloat).transpose(1, 2).contiguous(); };
+  const at::Tensor all_lows = candidates(lows), all_steps = candidates(steps);  // fp32 [N, C, D]
+  auto codes = at::empty({n, group, dim}, x.options().dtype(at::kByte));
+  auto out_low = at::empty({n, dim}, x.options().dtype(at::kHalf));
+  auto out_step = at::empty({n, dim}, x.options().dtype(at::kHalf));
+  auto out_best = at::empty({n, dim}, x.options().dtype(at::kLong));
+  const float *px = x.data_ptr<float>(), *pt = levels.data_ptr<float>();
+  const float *pl = all_lows.data_ptr<float>(), *ps = all_steps.data_ptr<float>();
+  uint8_t* pcodes = codes.data_ptr<uint8_t>();
+  at::Half *plow = out_low.data_ptr<at::Half>(), *pstep = out_step.data_ptr<at::Half>();
+  int64_t* pbest = out_best.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> l(count * dim), s(count * dim), inverses(count * dim), errors(count * dim);
+    for (int64_t g = begin; g < end; ++g) {
+      std::copy(pl + g * count * dim, pl + (g + 1) * count * dim, l.begin());
+      std::copy(ps + g * count * dim, ps + (g + 1) * count * dim, s.begin());
+      for (int64_t i = 0; i < count * dim; ++i) inverses[i] = s[i] > 0.f ? 1.0f / s[i] : 0.f;
+      least_error(px + g * group * dim, group, dim, count, pt + g * dim, l.data(), s.data(), inverses.data(),
+                  errors.data(), pbest + g * dim, pcodes + g * group * dim);
+      for (int64_t d = 0; d < dim; ++d) {
+        plow[g * dim + d] = static_cast<c10::Half>(l[d]), pstep[g * dim + d] = static_cast<c10::Half>(s[d]);
+      }
+    }
+  });
+  return {codes, out_low, out_step, out_best};
+}
+
+// The grid's ranges as the kernels read them (kernels/key_grid.py: ranges, the same fp32 operations in its order):
+// low_code and high_code uint8 [B, H, G, D] and packed depths uint8 [B, H, G, D / 2] (quant.pack_4bit; the last
+// dimension contiguous, the others any stride: views of storage with room), the grid origin and unit fp32 [B, H, D].
+// Returns low and step fp16 [B, H, G, D]: low = origin + low_code * unit, step = (origin + high_code * unit - low) /
+// (2^depth - 1), each clamped to fp16's range.
+std::vector<at::Tensor> grid_ranges(at::Tensor low_code, at::Tensor high_code, at::Tensor depths, at::Tensor origin,
+                                    at::Tensor unit) {
+  TORCH_CHECK(low_code.dim() == 4 && low_code.scalar_type() == at::kByte && high_code.sizes() == low_code.sizes() &&
+                  high_code.scalar_type() == at::kByte,
+              "low_code and high_code must be uint8 [B, H, G, D]");
+  const int64_t batch = low_code.size(0), heads = low_code.size(1), groups = low_code.size(2), dim = low_code.size(3);
+  TORCH_CHECK(dim % 2 == 0 && depths.scalar_type() == at::kByte && depths.dim() == 4 && depths.size(0) == batch &&
+                  depths.size(1) == heads && depths.size(2) == groups && depths.size(3) == dim / 2,
+              "depths must be packed uint8 [B, H, G, D / 2]");
+  for (const at::Tensor* t : {&origin, &unit})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == batch && t->size(1) == heads &&
+                    t->size(2) == dim,
+                "origin and unit must be fp32 [B, H, D]");
+  for (at::Tensor* t : {&low_code, &high_code, &depths})
+    if (t->size(3) > 1 && t->stride(3) != 1) *t = t->contiguous();
+  origin = origin.contiguous(), unit = unit.contiguous();
+  auto low = at::empty({batch, heads, groups, dim}, origin.options().dtype(at::kHalf));
+  auto step = at::empty({batch, heads, groups, dim}, origin.options().dtype(at::kHalf));
+  const uint8_t *plc = low_code.data_ptr<uint8_t>(), *phc = high_code.data_ptr<uint8_t>();
+  const uint8_t* pd = depths.data_ptr<uint8_t>();
+  const float *po = origin.data_ptr<float>(), *pu = unit.data_ptr<float>();
+  at::Half *pl = low.data_ptr<at::Half>(), *ps = step.data_ptr<at::Half>();
+  const int64_t half = dim / 2;
+  at::parallel_for(0, batch * heads * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (heads * groups), h = i / groups % heads, g = i % groups;
+      const uint8_t* lc = plc + b * low_code.stride(0) + h * low_code.stride(1) + g * low_code.stride(2);
+      const uint8_t* hc = phc + b * high_code.stride(0) + h * high_code.stride(1) + g * high_code.stride(2);
+      const uint8_t* dp = pd + b * depths.stride(0) + h * depths.stride(1) + g * depths.stride(2);
+      const float *o = po + (b * heads + h) * dim, *u = pu + (b * heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const int depth = d < half ? dp[d] & 0x0F : dp[d - half] >> 4;
+        const float levels = static_cast<float>((1 << depth) - 1);
+        const at::Half l = static_cast<at::Half>(clampf(o[d] + static_cast<float>(lc[d]) * u[d], -FP16_MAX, FP16_MAX));
+        const float high = o[d] + static_cast<float>(hc[d]) * u[d];
+        pl[i * dim + d] = l;
+        ps[i * dim + d] = static_cast<at::Half>(clampf((high - static_cast<float>(l)) / levels, 0.f, FP16_MAX));
+      }
+    }
+  });
+  return {low, step};
 }
 
 // Decoded values of whole adaptive groups (kernels/reference.py: decode_adaptive): planes uint8 [N, P, G / 8], packed

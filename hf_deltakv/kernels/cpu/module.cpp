@@ -38,6 +38,9 @@ at::Tensor allocate_depths(at::Tensor level, int64_t total, int64_t most, int64_
 at::Tensor pack_planes(at::Tensor codes, at::Tensor depths, int64_t planes);
 std::vector<at::Tensor> clipped_codes(at::Tensor x, at::Tensor low, at::Tensor span, at::Tensor levels,
                                       at::Tensor clips);
+std::vector<at::Tensor> best_candidate(at::Tensor x, at::Tensor lows, at::Tensor steps, at::Tensor levels);
+std::vector<at::Tensor> grid_ranges(at::Tensor low_code, at::Tensor high_code, at::Tensor depths, at::Tensor origin,
+                                    at::Tensor unit);
 at::Tensor decode_planes(at::Tensor planes, at::Tensor depths, at::Tensor low, at::Tensor step);
 
 at::Tensor dequantize_latent(at::Tensor packed, at::Tensor scales, std::vector<int64_t> bits, at::Tensor out);
@@ -57,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allocate_depths", &allocate_depths, "the adaptive keys' depths by reverse water-filling");
   m.def("pack_planes", &pack_planes, "bit planes of per-channel codes (quant/bitplanes.py)");
   m.def("clipped_codes", &clipped_codes, "the adaptive keys' clipped ranges and codes (reference.clipped_codes)");
+  m.def("best_candidate", &best_candidate, "the least-error range of given candidates, codes (reference.best_candidate)");
+  m.def("grid_ranges", &grid_ranges, "fp16 low and step of grid-coded key ranges (key_grid.ranges)");
   m.def("decode_planes", &decode_planes, "decoded values of whole adaptive groups (reference.decode_adaptive)");
   m.def("dequantize_latent", &dequantize_latent, "the residual cache's packed latent groups to fp32 or bf16");
   m.def("vector_latent_decode", &vector_latent_decode, "switch the vector latent decoder (tests); previous setting");
