@@ -10,9 +10,10 @@ the side information can go to the codes, at the same total:
   range still fits), low fp16: 28 bits;
 - `fp8`: low rounded down and step up to 8-bit floats: 20 bits;
 - `gridN`: per sequence a base range per channel (its min and max over the prompt: here the window's first half,
-  fp16, 4 bytes a channel spread over the window), and per group low and high as N-bit codes on a grid from a quarter
-  of that range below it to a quarter above (low rounded down, high up; beyond the grid the group is clipped): 2N + 4
-  bits;
+  fp16, 4 bytes a channel spread over the window), and per group low and high as N-bit codes on a grid from `--margin`
+  of that range below it to as much above (low rounded down, high up; beyond the grid the group is clipped): 2N + 4
+  bits. `key_side.json` was measured at a margin of 0.25 (`--margin 0.25`), the cache's grid's first; the cache now
+  reaches 2.0 (`key_grid.GRID_MARGIN`, the default here), which a short prompt needs;
 - `static`: the base range alone, no range per group (its depth per group): 4 bits.
 
 Every variant searches the same clipped candidates (`CLIPS`) through its own rounding and keeps the one of least
@@ -44,7 +45,7 @@ import torch
 from paths import RESULTS, WIKITEXT_VALID, machine
 from value_sensitivity import SINKS
 
-from hf_deltakv.kernels.key_grid import GRID_MARGIN as MARGIN  # (the codec's grid reaches as far)
+from hf_deltakv.kernels.key_grid import GRID_MARGIN as MARGIN  # (the codec's grid reaches as far; --margin)
 from hf_deltakv.kernels.reference import CLIPS, allocate_bits, query_energy
 
 PROBE = "hf_deltakv_key_side"
@@ -230,6 +231,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global MARGIN
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b")
     parser.add_argument("--ctx", type=int, default=1024)
@@ -237,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kf", type=int, default=64)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
+    parser.add_argument("--margin", type=float, default=MARGIN, help="the grids' reach beyond the fitted range")
     parser.add_argument("--out", default=str(RESULTS / "key_side.json"))
     args = parser.parse_args(argv)
+    MARGIN = args.margin
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     results = [measure(m, args.ctx, args.windows, args.kf, variants, rates) for m in args.models.split(",") if m]
     with open(args.out, "w") as f:
-        json.dump({"machine": machine(), "results": results}, f, indent=1)
+        json.dump({"machine": machine(), "margin": MARGIN, "results": results}, f, indent=1)
     for result in results:
         print(markdown(result) + "\n")
     return 0

@@ -102,6 +102,11 @@ RERUNS = {
         "--first-chunk 64 --no-memory --out benchmarks/results/long_context_key_grid_short.json`: the grid fitted on "
         "the first 60 tokens (a 64-token prompt less the 4 sinks), then the document in chunks of 1,024 to 8K.",
     ),
+    "long_context_key_grid_short_margin025.json": (
+        "Keys' ranges on a short prompt's grid, the grid's first margin",
+        "The same run as the one above at commit 712a3ce, the grid reaching 0.25 of the fitted range beyond it "
+        "(today 2.0): the tokens after the prompt are clipped.",
+    ),
     "long_context_16k_20.json": (
         "The 16K cell with 20 needles",
         "`long_context.py --models qwen2.5-coder-0.5b --caches delta --max-tokens 16384 --needles 20 --ask-cells "
@@ -110,6 +115,14 @@ RERUNS = {
         "DynamicCache.",
     ),
 }
+# Measured with the keys' grid's first margin (`key_grid.GRID_MARGIN` 0.25, up to commit 712a3ce), since widened to 2.0:
+# their grid rows (their other rows are current)
+FIRST_GRID_MARGIN = (
+    "key_side.json",
+    "key_ranges_quality.json",
+    "long_context_key_grid.json",
+    "long_context_key_grid_short_margin025.json",
+)
 CURRENT = (
     "quality.json",
     "ablation_kld.json",
@@ -126,24 +139,21 @@ CURRENT = (
     "value_basis.json",
     "value_basis_tables.json",
     "basis_quality.json",
-    "key_side.json",
-    "key_ranges_quality.json",
+    "key_ranges_margin.json",
     "compiled_decode.json",
     "compiled_decode_8k.json",
     "compiled_decode_others.json",
     "compiled_decode_residual.json",
     "ab_decode.json",
     "ab_decode_step_ops.json",
-    "decode_speed_key_grid.json",
     "ab_caches_key_grid.json",
-    *RERUNS,
+    *(name for name in RERUNS if name not in FIRST_GRID_MARGIN),
 )
 # decode_speed.py runs: each its own invocation, every ratio against DynamicCache measured in that same run
 DECODE_RUNS = {
     "decode_speed.json": "",
     "decode_speed_residual.json": ", the residual cache coding 16 tokens at a time while decoding (`CODE_BATCH`)",
     "decode_speed_8k.json": ", 8K prompts in bf16",
-    "decode_speed_key_grid.json": ", keys' ranges on the grid (`key_ranges=\"grid8\"`) beside today's, bf16 at 4K",
 }
 SUMMARY_CACHES = ("delta", "delta-no-model", "kivi-pre-rope", "q4_0-rot", "q4_0", "q8_0")
 
@@ -477,7 +487,10 @@ def results() -> None:
         "by the cache / cached scalars. KL divergence is from the fp16 cache's next-token distribution.\n"
     )
     print(
-        f"**Freshness.** {', '.join(f'`{n}`' for n in CURRENT)} were measured on the current code. The other tables "
+        f"**Freshness.** {', '.join(f'`{n}`' for n in CURRENT)} were measured on the current code; "
+        f"{', '.join(f'`{n}`' for n in FIRST_GRID_MARGIN)} too, but for their `key_ranges=grid8` rows: those had the "
+        "keys' grid's first margin (0.25 of the fitted range, up to commit 712a3ce; `key_side.py --margin 0.25`). The "
+        "other tables "
         "(the seed tables, formats and error growth, the residual cache's) were measured before DeltaKVCache's "
         "per-channel key codec landed (commit 3193d4f): their `delta` rows show the earlier per-token key codec "
         "(now `delta:keys=token`). Rerun their scripts to refresh them.\n"
@@ -488,7 +501,10 @@ def results() -> None:
         ("basis_quality.json", "Values in each head's own directions, through the cache (`bit_tradeoff.py --caches "
                                "... --out results/basis_quality.json`: `values=basis-q3_0`, the reference path)"),
         ("key_ranges_quality.json", "Keys' ranges on a grid, through the cache (`bit_tradeoff.py --caches ... --out "
-                                    "results/key_ranges_quality.json`: `key_ranges=grid8`, the reference coder)"),
+                                    "results/key_ranges_quality.json`: `key_ranges=grid8`, the reference coder, the "
+                                    "grid's first margin, 0.25)"),
+        ("key_ranges_margin.json", "Keys' ranges on a grid reaching 2.0 of the prompt's range beyond it, through the "
+                                   "cache (`bit_tradeoff.py --caches ... --out results/key_ranges_margin.json`)"),
     ):  # fmt: skip
         for result in (_load(name) or {}).values():
             cfg = result["config"]
