@@ -22,9 +22,9 @@ The table (op: CPU kernel | GPU kernel; "-": the reference runs there; each kern
     clipped_codes      cpu                         | - (inside code_groups on GPUs)
     best_candidate     cpu (clipped_codes' search) | -
     grid_ranges        cpu/encode.cpp              | - (the grid's fp16 ranges, derived at every read)
-    code_groups        the three above; the grid's | triton/adaptive_code.py (a group's whole coding, one launch);
-                       ranges: key_grid's candidates |   the grid's ranges: the reference
-                       and best_candidate          |
+    code_groups        the three above             | triton/adaptive_code.py (a group's whole coding, one launch)
+                       (grid ranges: key_grid's    |   (grid ranges: key_grid's candidates and the reference's
+                       candidates, best_candidate) |   search, PyTorch ops)
     copy_rows          -                           | triton/copy.py (grown storage, 8 copies a launch)
     decode_stream      cpu (adaptive groups)       | -
     decode_into        cpu/stream_attention.cpp    | triton/reconstruct.py (adaptive keys, plain values)
@@ -608,7 +608,8 @@ def code_groups(
     dispatched: one Triton launch on GPUs; elsewhere the reference with the depths, ranges and planes of
     `allocate_depths`, `clipped_codes` and `pack_planes` (C++ on the CPU). The same bytes (tested). `grid` (origin,
     unit: `key_grid`): the ranges on that grid, `out` holding their codes; the candidates are rounded onto it by the
-    reference (`key_grid.clipped_codes`) and searched by `best_candidate` (C++ on the CPU), on GPUs too."""
+    reference (`key_grid.clipped_codes`) and searched by `best_candidate` (C++ on the CPU; the reference elsewhere,
+    GPUs included: no Triton kernel codes the grid yet)."""
     if grid is not None:
         search = best_candidate if _cpu_extension(tail.device) is not None else reference.best_candidate
         clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1], search=search)
