@@ -611,9 +611,8 @@ def code_groups(
     reference (`key_grid.clipped_codes`) and searched by `best_candidate` (C++ on the CPU; the reference elsewhere,
     GPUs included: no Triton kernel codes the grid yet)."""
     if grid is not None:
-        search = best_candidate if _cpu_extension(tail.device) is not None else reference.best_candidate
-        clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1], search=search)
-        chunked = search is reference.best_candidate  # (the reference keeps every candidate's codes; C++ none)
+        clip = functools.partial(key_grid.clipped_codes, origin=grid[0], unit=grid[1], search=best_candidate)
+        chunked = _cpu_extension(tail.device) is None  # (the reference's search keeps every candidate; C++ none)
         return reference.code_groups(
             tail, pad, groups, weights, total, clip_range, out, at, allocate_depths, pack_planes, clip, chunked
         )
